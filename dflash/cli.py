@@ -1,0 +1,48 @@
+"""Hydra glue for the entry points: resolvers, composition errors, typed config."""
+from __future__ import annotations
+
+import os
+import time
+
+from omegaconf import OmegaConf
+
+from .config import register_configs
+
+
+def run_id() -> str:
+    """Same value on every rank: torchrun's rendezvous id, DFLASH_RUN_ID, or (single process)
+    a timestamp. A multi-process job without a shared id must name its run."""
+    for var in ("DFLASH_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        v = os.environ.get(var)
+        if v and v != "none":
+            return v
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("several processes but no shared run id: pass run_name=NAME (or torchrun "
+                         "--rdzv-id ID, or set DFLASH_RUN_ID) so every rank writes to the same run dir")
+    return time.strftime("%Y%m%d-%H%M%S")
+
+
+def setup() -> None:
+    register_configs()
+    if not OmegaConf.has_resolver("dflash_run_id"):
+        OmegaConf.register_new_resolver("dflash_run_id", run_id, use_cache=True)
+
+
+def typed(cfg):
+    """DictConfig -> validated RunConfig, turning missing mandatory values into one clear line."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    from .config import to_run_config
+
+    try:
+        return to_run_config(cfg)
+    except MissingMandatoryValue as e:
+        key = getattr(e, "full_key", None) or str(e)
+        hint = {
+            "target.path": "set target.path=/path/to/the/target/weights (a local Hugging Face "
+                           "directory; nothing is downloaded at run time), or pick a tiny target: "
+                           "target=tiny_qwen3_5",
+            "data.paths": "set data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
+                          "field), or data=selfgen for the target's own text on random prompts",
+        }.get(key, f"set {key}=... on the command line")
+        raise SystemExit(f"error: missing config value {key}: {hint}") from None

@@ -1,0 +1,237 @@
+"""Typed configuration schemas.
+
+One dataclass per Hydra config group, registered with Hydra's ConfigStore so that a typo or an
+unknown key fails at composition with the key's name. Below the entry points nothing sees a
+DictConfig: `to_run_config` converts once and `RunConfig.validate` checks cross-field rules,
+raising ValueError that names the dotted key and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+LINEAR_ATTN_BACKENDS = ("auto", "fla", "torch")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+LOSSES = ("hard_ce", "soft_kl")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class TargetConfig:
+    """The frozen target LLM.
+
+    Exactly one of `path` (a local Hugging Face directory or GGUF folder) and `config`
+    (a HF config dict: random weights, for tests, demos and benchmarks) must be set.
+    """
+    name: str = "tiny_qwen3_5"
+    path: Optional[str] = None
+    gguf_file: Optional[str] = None
+    config: Optional[Dict[str, Any]] = None
+    init_seed: int = 0
+    init_std: Optional[float] = None  # random weights: override initializer_range
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    linear_attn_backend: str = "auto"  # auto | fla | torch (Gated-DeltaNet kernels)
+    attn_implementation: str = "sdpa"
+    # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
+    # token, or vocab_size-1 for tokenizer-less random targets.
+    mask_token_id: Optional[int] = None
+    # Text conventions of the target (pitfall 6): the same settings are used for
+    # regenerated training data and for eval prompts.
+    chat_template: bool = False
+    enable_thinking: bool = False
+
+
+@dataclass
+class DrafterConfig:
+    num_layers: int = 1
+    # Per-layer attention type; None = all full_attention. Full layers are bidirectional inside
+    # the block, sliding layers causal inside the block with `sliding_window`.
+    layer_types: Optional[List[str]] = None
+    sliding_window: int = 2048
+    # Target layers feeding the drafter (layer l = output of decoder layer l = HF
+    # hidden_states[l + 1]). None = `num_aux_layers` evenly spaced over 1..L-3.
+    target_layer_ids: Optional[List[int]] = None
+    num_aux_layers: int = 5
+    block_size: int = 16
+    mask_token_id: Optional[int] = None  # None: target.mask_token_id (see there)
+    # Shape; None = copy from the target.
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    init_std: float = 0.02
+    # Initialise from an existing drafter checkpoint directory (serving format).
+    init_from: Optional[str] = None
+
+
+@dataclass
+class DataConfig:
+    # selfgen: random prompts, the target's own greedy responses (tiny targets, smoke runs).
+    # jsonl / parquet: prompts from local files (`prompt` or `messages` field).
+    # stdlib: functions/classes of the CPython standard library turned into completion prompts.
+    source: str = "selfgen"
+    paths: List[str] = field(default_factory=list)
+    prompt_field: str = "prompt"
+    num_samples: int = 256
+    prompt_len: int = 16
+    response_len: int = 64
+    max_length: int = 256
+    too_long: str = "truncate"  # truncate | drop
+    regen_batch_size: int = 32
+    regen_temperature: float = 0.0
+    seed: int = 1234
+    cache_dir: Optional[str] = None  # default: <run_dir>/data
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    micro_batch_size: int = 8  # sequences per micro step (per trainer rank)
+    grad_accum: int = 1
+    max_anchors: int = 512  # anchors per sequence, resampled every step
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    clip_grad: float = 1.0
+    loss: str = "hard_ce"
+    allow_soft_loss: bool = False  # soft KL must be chosen explicitly (pitfall 3)
+    gamma: Optional[float] = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
+    noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
+    dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
+    lm_head_chunk: int = 4096  # positions per chunk of the (checkpointed) lm_head + CE
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    save_every: int = 100
+    keep_last: int = 2
+    device: str = "auto"
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = True
+    num_prompts: int = 8
+    completion_len: int = 96
+    budgets: List[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    batch_size: int = 4
+    seed: int = 4321
+    source: Optional[str] = None  # None: same source as training data with a disjoint seed
+    paths: List[str] = field(default_factory=list)
+    show_rounds: int = 2  # rounds printed per prompt in the table
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "console"  # console | wandb | none
+    project: str = "dflash"
+    entity: Optional[str] = None
+    mode: str = "auto"  # auto: online when credentials exist, else offline
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class TopologyConfig:
+    mode: str = "colocated"  # colocated | split
+    num_target_ranks: int = 0  # split: first T ranks run the target, the rest train
+    window: int = 2  # batches in flight per worker->trainer link (backpressure)
+    timeout_s: float = 600.0  # a silent peer for this long stops the run
+    on_bad_batch: str = "skip"  # skip | stop  (NaN/inf aux states)
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+
+
+@dataclass
+class RunConfig:
+    exp_name: str = "smoke"
+    run_name: str = "smoke"
+    out_root: str = "outputs"
+    resume: Optional[str] = None  # None | "true" | PATH
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+
+    def validate(self) -> "RunConfig":
+        _check_choice("target.linear_attn_backend", self.target.linear_attn_backend, LINEAR_ATTN_BACKENDS)
+        _check_choice("target.dtype", self.target.dtype, DTYPES)
+        _check_choice("train.dtype", self.train.dtype, DTYPES)
+        _check_choice("train.loss", self.train.loss, LOSSES)
+        _check_choice("data.too_long", self.data.too_long, ("truncate", "drop"))
+        _check_choice("data.source", self.data.source, ("selfgen", "jsonl", "parquet", "stdlib", "humaneval"))
+        _check_choice("logger.kind", self.logger.kind, ("console", "wandb", "none"))
+        _check_choice("topology.mode", self.topology.mode, ("colocated", "split"))
+        _check_choice("topology.on_bad_batch", self.topology.on_bad_batch, ("skip", "stop"))
+        if (self.target.path is None) == (self.target.config is None):
+            raise ValueError(
+                "target: set exactly one of target.path (local weights) and target.config "
+                f"(random weights from a config); got path={self.target.path!r}, "
+                f"config={'set' if self.target.config else None}")
+        if self.train.loss == "soft_kl" and not self.train.allow_soft_loss:
+            raise ValueError(
+                "train.loss=soft_kl trains a soft objective while acceptance is judged by argmax "
+                "(pitfall 3). Hard CE is the default; to train soft KL anyway, also set "
+                "train.allow_soft_loss=true (it is logged).")
+        d = self.drafter
+        if d.block_size < 2:
+            raise ValueError(f"drafter.block_size must be >= 2, got {d.block_size}")
+        if d.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {d.num_layers}")
+        if d.layer_types is not None:
+            if len(d.layer_types) != d.num_layers:
+                raise ValueError(
+                    f"drafter.layer_types has {len(d.layer_types)} entries but drafter.num_layers="
+                    f"{d.num_layers}; give one of {LAYER_TYPES} per layer")
+            for i, t in enumerate(d.layer_types):
+                _check_choice(f"drafter.layer_types[{i}]", t, LAYER_TYPES)
+        for key in ("steps", "micro_batch_size", "grad_accum", "max_anchors"):
+            if getattr(self.train, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self.train, key)}")
+        if self.topology.window < 1:
+            raise ValueError(f"topology.window must be >= 1, got {self.topology.window}")
+        return self
+
+
+def _check_choice(key: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (group defaults validate against them)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunConfig)
+    for group, node in (("target", TargetConfig), ("drafter", DrafterConfig), ("data", DataConfig),
+                        ("train", TrainConfig), ("eval", EvalConfig), ("logger", LoggerConfig),
+                        ("topology", TopologyConfig)):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def to_run_config(cfg: Any) -> RunConfig:
+    """DictConfig (already schema-checked by Hydra) -> validated RunConfig."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw.pop("hydra", None)
+    for k in [k for k in raw if k not in {f.name for f in dataclasses.fields(RunConfig)}]:
+        raise ValueError(f"unknown top-level config key {k!r}")
+    kwargs = {}
+    for name, value in raw.items():
+        cls = {"target": TargetConfig, "drafter": DrafterConfig, "data": DataConfig,
+               "train": TrainConfig, "eval": EvalConfig, "logger": LoggerConfig,
+               "topology": TopologyConfig}.get(name)
+        kwargs[name] = cls(**value) if cls is not None else value
+    if kwargs.get("resume") is not None:
+        kwargs["resume"] = str(kwargs["resume"])
+    return RunConfig(**kwargs).validate()

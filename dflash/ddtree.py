@@ -1,0 +1,345 @@
+"""DDTree: draft trees from block-diffusion per-position distributions.
+
+Ringel & Romano 2026, "Accelerating Speculative Decoding with Block Diffusion Draft Trees".
+
+A DFlash drafter emits, for one block anchored at the bonus token, D = B-1 independent
+per-position distributions q_1..q_D. A *prefix* is a token tuple (u_1..u_d), 1 <= d <= D,
+scored by log prod_i q_i(u_i). The best draft tree of b nodes is the set of the b most
+probable prefixes; it is prefix-closed (a prefix of a member scores at least as high), so
+it is a tree under the implicit root (the bonus token, not counted in b).
+
+Ordering and tie-breaking
+-------------------------
+Every prefix gets the key ``(-score, depth, rank tuple)``, where the rank tuple holds, per
+depth, the position of the token in that depth's distribution sorted by logprob descending
+(``torch.topk`` order for full-vocab inputs; a stable descending sort of the given columns
+for top-k inputs, so equal logprobs keep their stored order). The b-tree is the b smallest
+keys. The key strictly increases from a node to its first child (depth grows, score cannot
+grow) and to its next sibling (same depth, larger rank tuple), so a best-first search that
+pops the smallest key and pushes its next sibling and its first child pops *every* prefix
+in exact key order, and ancestors always pop before descendants. Node index = pop order
+(0-based); ``pop rank`` below is 1-based.
+
+Exactness of top-k inputs
+-------------------------
+A token of rank >= b at some depth is preceded in key order by its b better siblings, so the
+b-tree never uses it: keeping ``k = min(V, b)`` columns per position is exact. Callers that
+store only the top-K per position get exact results for every budget <= K (or any budget
+when the K columns are the whole vocabulary: pass ``full_vocab=True``).
+
+Acceptance at temperature 0
+---------------------------
+The target's greedy continuation t_1..t_D is accepted up to the deepest greedy prefix
+(t_1..t_d) inside the tree. Pop ranks grow along a path, so greedy prefix p_d is in the
+b-tree iff its pop rank <= b, and a single heap run to max(budgets) answers every budget.
+The tree is always built over all D positions (an engine does not know where the completion
+ends); a shorter target (or a negative target token) only limits how deep acceptance can go.
+
+Shape legend: D drafted positions (block_size - 1), V vocab, K stored top-k columns,
+N anchors, b budget (nodes, root excluded).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DDTree",
+    "build_ddtree",
+    "ddtree_accept",
+    "ddtree_accept_topk",
+    "ddtree_accept_many",
+]
+
+
+@dataclass(frozen=True)
+class DDTree:
+    """A draft tree of ``b`` nodes; node index = best-first pop order.
+
+    tokens      [b] long   token id of each node
+    parents     [b] long   parent node index, -1 = child of the root (bonus token);
+                           always smaller than the node's own index
+    depths      [b] long   1-based depth = drafted position (position offset from the bonus)
+    logprobs    [b] float64 cumulative log prob of the node's prefix
+    visibility  [b, b] bool visibility[i, j] = j is i or an ancestor of i: the ancestor-only
+                           attention mask among tree nodes for tree verification (every node
+                           also sees the bonus token and the committed context)
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    depths: Tensor
+    logprobs: Tensor
+    visibility: Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def position_offsets(self) -> Tensor:
+        """Position of node i = bonus position + position_offsets[i] (the depth)."""
+        return self.depths
+
+    def paths(self) -> list[tuple[int, ...]]:
+        """Token tuple (u_1..u_d) of every node, root excluded."""
+        tokens, parents = self.tokens.tolist(), self.parents.tolist()
+        out: list[tuple[int, ...]] = []
+        for i, p in enumerate(parents):
+            out.append((out[p] if p >= 0 else ()) + (tokens[i],))
+        return out
+
+
+# ----------------------------------------------------------------------------------------
+# input preparation
+
+
+def _check_budgets(budgets: Sequence[int]) -> list[int]:
+    budgets = [int(b) for b in budgets]
+    if any(b < 0 for b in budgets):
+        raise ValueError(f"budgets must be >= 0, got {budgets}")
+    return budgets
+
+
+def _sorted_topk(
+    logprobs_DK: Tensor, ids_DK: Tensor | None, k: int, *, full_vocab: bool
+) -> tuple[Tensor, Tensor]:
+    """Rows sorted by logprob descending, truncated to k columns (k >= 1)."""
+    logprobs_DK = logprobs_DK.detach().to("cpu")
+    if ids_DK is None:
+        # full-vocab input: topk is exact (see module docstring)
+        vals, ids = torch.topk(logprobs_DK, min(k, logprobs_DK.shape[-1]), dim=-1)
+        return vals, ids
+    ids_DK = ids_DK.detach().to("cpu")
+    if ids_DK.shape != logprobs_DK.shape:
+        raise ValueError(f"top-k ids {tuple(ids_DK.shape)} != logprobs {tuple(logprobs_DK.shape)}")
+    if logprobs_DK.shape[-1] < k and not full_vocab:
+        raise ValueError(
+            f"budget {k} > stored top-k columns {logprobs_DK.shape[-1]}: the tree may need tokens "
+            "that were not stored; store more columns, or pass full_vocab=True if the columns "
+            "are the whole vocabulary"
+        )
+    vals, order = torch.sort(logprobs_DK, dim=-1, descending=True, stable=True)
+    ids = torch.gather(ids_DK, -1, order)
+    return vals[..., :k], ids[..., :k]
+
+
+def _greedy_ranks(ids_xDK: Tensor, target_xD: Tensor) -> Tensor:
+    """Column of the target token at each depth, -1 when absent/unavailable; [..., D]."""
+    D = ids_xDK.shape[-2]
+    target_xD = target_xD.to(device="cpu", dtype=torch.long)
+    if target_xD.shape[-1] < D:  # target shorter than the block: the rest is unavailable
+        pad = target_xD.new_full((*target_xD.shape[:-1], D - target_xD.shape[-1]), -1)
+        target_xD = torch.cat([target_xD, pad], dim=-1)
+    target_xD = target_xD[..., :D]
+    match = (ids_xDK == target_xD.unsqueeze(-1)) & (target_xD >= 0).unsqueeze(-1)
+    has = match.any(-1)
+    rank = match.to(torch.uint8).argmax(-1)
+    return torch.where(has, rank, torch.full_like(rank, -1))
+
+
+def _path_prefix(ranks_D: list[int]) -> list[int]:
+    """Greedy ranks up to (excluding) the first missing depth."""
+    for d, r in enumerate(ranks_D):
+        if r < 0:
+            return ranks_D[:d]
+    return ranks_D
+
+
+# ----------------------------------------------------------------------------------------
+# best-first search cores (pure python on lists: per-element tensor access is far slower)
+#
+# Heap entry: (neg_score, depth, code, rank, parent_neg_score, payload). ``code`` encodes the
+# rank tuple as a base-K integer, so (depth, code) orders same-depth nodes like their rank
+# tuples and entries never compare past it (codes are unique per depth).
+
+
+def _best_first_tree(lp_rows: list[list[float]], budget: int) -> list[tuple[int, int, int, float]]:
+    """Pop the ``budget`` best prefixes; returns (depth, rank, parent_index, score) per node."""
+    D, K = len(lp_rows), len(lp_rows[0])
+    nodes: list[tuple[int, int, int, float]] = []
+    heap = [(-lp_rows[0][0], 1, 0, 0, 0.0, -1)]
+    while heap and len(nodes) < budget:
+        neg, d, code, r, pneg, parent = heap[0]
+        idx = len(nodes)
+        nodes.append((d, r, parent, -neg))
+        if r + 1 < K:
+            heapq.heapreplace(heap, (pneg - lp_rows[d - 1][r + 1], d, code + 1, r + 1, pneg, parent))
+        else:
+            heapq.heappop(heap)
+        if d < D:
+            heapq.heappush(heap, (neg - lp_rows[d][0], d + 1, code * K, 0, neg, idx))
+    return nodes
+
+
+def _greedy_pop_ranks(lp_rows: list[list[float]], path_ranks: list[int], max_pops: int) -> list[int]:
+    """1-based pop ranks of the greedy prefixes p_1, p_2, ... that pop within ``max_pops``.
+
+    ``path_ranks[d-1]`` is the column of the greedy token at depth d (all >= 0). The result is
+    increasing; accepted depth at budget b = number of entries <= b.
+    """
+    m = len(path_ranks)
+    if m == 0 or max_pops <= 0:
+        return []
+    D, K = len(lp_rows), len(lp_rows[0])
+    g = path_ranks + [-1] * (D - m + 1)  # depth > m is never on the path
+    out: list[int] = []
+    pops = 0
+    heap = [(-lp_rows[0][0], 1, 0, 0, 0.0, True)]  # payload: parent is on the greedy path
+    heappush, heapreplace, heappop = heapq.heappush, heapq.heapreplace, heapq.heappop
+    while heap:
+        neg, d, code, r, pneg, parent_on = heap[0]
+        pops += 1
+        on = parent_on and g[d - 1] == r
+        if on:
+            out.append(pops)
+            if len(out) == m:
+                break
+        if pops >= max_pops:
+            break
+        if r + 1 < K:
+            heapreplace(heap, (pneg - lp_rows[d - 1][r + 1], d, code + 1, r + 1, pneg, parent_on))
+        else:
+            heappop(heap)
+        if d < D:
+            heappush(heap, (neg - lp_rows[d][0], d + 1, code * K, 0, neg, on))
+    return out
+
+
+def _accepted_per_budget(pop_ranks: list[int], budgets: list[int]) -> list[int]:
+    return [bisect_right(pop_ranks, b) for b in budgets]
+
+
+# ----------------------------------------------------------------------------------------
+# public API
+
+
+def build_ddtree(
+    logprobs_DV: Tensor,
+    budget: int,
+    topk_ids_DK: Tensor | None = None,
+    *,
+    full_vocab: bool = False,
+) -> DDTree:
+    """Best DDTree of ``budget`` nodes (the ``budget`` most probable prefixes).
+
+    ``logprobs_DV`` [D, V]: per-position log probs (any device). With ``topk_ids_DK`` given,
+    ``logprobs_DV`` is instead [D, K] top-k logprobs (any column order) and their token ids;
+    K >= budget is required unless ``full_vocab=True`` (columns = whole vocabulary).
+    The tree has min(budget, number of prefixes) nodes. O(D k + b log b) for k = min(V, b).
+    """
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    if logprobs_DV.dim() != 2:
+        raise ValueError(f"logprobs must be [D, V], got {tuple(logprobs_DV.shape)}")
+    D = logprobs_DV.shape[0]
+    if budget == 0 or D == 0:
+        e = torch.empty(0, dtype=torch.long)
+        return DDTree(e, e.clone(), e.clone(), torch.empty(0, dtype=torch.float64),
+                      torch.empty(0, 0, dtype=torch.bool))
+    vals_DK, ids_DK = _sorted_topk(logprobs_DV, topk_ids_DK, budget, full_vocab=full_vocab)
+    nodes = _best_first_tree(vals_DK.double().tolist(), budget)
+    depths = torch.tensor([n[0] for n in nodes], dtype=torch.long)
+    ranks = torch.tensor([n[1] for n in nodes], dtype=torch.long)
+    parents = torch.tensor([n[2] for n in nodes], dtype=torch.long)
+    logprobs = torch.tensor([n[3] for n in nodes], dtype=torch.float64)
+    tokens = ids_DK[depths - 1, ranks]
+    return DDTree(tokens, parents, depths, logprobs, _ancestor_mask(parents, D))
+
+
+def _ancestor_mask(parents_b: Tensor, max_depth: int) -> Tensor:
+    """visibility[i, j] = j is i or an ancestor of i; D vectorised hops up the tree."""
+    b = parents_b.numel()
+    vis = torch.eye(b, dtype=torch.bool)
+    rows = torch.arange(b)
+    cur = parents_b.clone()
+    for _ in range(max_depth):
+        ok = cur >= 0
+        if not bool(ok.any()):
+            break
+        vis[rows[ok], cur[ok]] = True
+        cur = torch.where(ok, parents_b[cur.clamp(min=0)], cur)
+    return vis
+
+
+def ddtree_accept(
+    draft_logprobs_DV: Tensor, target_tokens_D: Tensor, budgets: Sequence[int]
+) -> dict[int, int]:
+    """Accepted depth at T=0 for each budget, from full-vocab draft log probs [D, V].
+
+    ``target_tokens_D``: the target's greedy tokens after the bonus, aligned with the drafted
+    positions; it may be shorter than D (end of completion) and a negative token marks an
+    unavailable position. Returns {budget: accepted drafted tokens (0..D)}.
+    """
+    budgets = _check_budgets(budgets)
+    if not budgets or draft_logprobs_DV.shape[0] == 0 or max(budgets) == 0:
+        return {b: 0 for b in budgets}
+    vals_DK, ids_DK = _sorted_topk(draft_logprobs_DV, None, max(budgets), full_vocab=True)
+    return _accept_prepared(vals_DK, ids_DK, torch.as_tensor(target_tokens_D), budgets)
+
+
+def ddtree_accept_topk(
+    topk_logprobs_DK: Tensor,
+    topk_ids_DK: Tensor,
+    target_tokens_D: Tensor,
+    budgets: Sequence[int],
+    *,
+    full_vocab: bool = False,
+) -> dict[int, int]:
+    """``ddtree_accept`` from stored top-k per position ([D, K] logprobs and ids).
+
+    Exact when K >= max(budgets), or for any budget with ``full_vocab=True`` (K == V);
+    otherwise raises ValueError. Columns may be in any order (stably re-sorted).
+    """
+    budgets = _check_budgets(budgets)
+    if not budgets or topk_logprobs_DK.shape[0] == 0 or max(budgets) == 0:
+        return {b: 0 for b in budgets}
+    vals_DK, ids_DK = _sorted_topk(topk_logprobs_DK, topk_ids_DK, max(budgets), full_vocab=full_vocab)
+    return _accept_prepared(vals_DK, ids_DK, torch.as_tensor(target_tokens_D), budgets)
+
+
+def _accept_prepared(vals_DK: Tensor, ids_DK: Tensor, target: Tensor, budgets: list[int]) -> dict[int, int]:
+    path = _path_prefix(_greedy_ranks(ids_DK, target).tolist())
+    if not path:
+        return {b: 0 for b in budgets}
+    pop_ranks = _greedy_pop_ranks(vals_DK.double().tolist(), path, max(budgets))
+    return dict(zip(budgets, _accepted_per_budget(pop_ranks, budgets)))
+
+
+def ddtree_accept_many(
+    topk_logprobs_NDK: Tensor,
+    topk_ids_NDK: Tensor,
+    target_tokens_ND: Tensor,
+    budgets: Sequence[int],
+    *,
+    full_vocab: bool = False,
+    chunk: int = 256,
+) -> Tensor:
+    """Batched ``ddtree_accept_topk`` over N anchors -> LongTensor [N, len(budgets)].
+
+    Negative target tokens mark unavailable positions (pad with -1 at the end of a
+    completion). Sorting and target lookup are batched; the heap runs once per anchor.
+    """
+    budgets = _check_budgets(budgets)
+    N, D = topk_logprobs_NDK.shape[0], topk_logprobs_NDK.shape[1]
+    out = torch.zeros(N, len(budgets), dtype=torch.long)
+    if N == 0 or D == 0 or not budgets or max(budgets) == 0:
+        return out
+    bmax = max(budgets)
+    for s in range(0, N, chunk):
+        vals, ids = _sorted_topk(topk_logprobs_NDK[s:s + chunk], topk_ids_NDK[s:s + chunk], bmax,
+                                 full_vocab=full_vocab)
+        ranks = _greedy_ranks(ids, torch.as_tensor(target_tokens_ND[s:s + chunk])).tolist()
+        rows = vals.double().tolist()
+        for n, (lp_rows, r) in enumerate(zip(rows, ranks)):
+            path = _path_prefix(r)
+            if path:
+                pops = _greedy_pop_ranks(lp_rows, path, bmax)
+                out[s + n] = torch.tensor(_accepted_per_budget(pops, budgets))
+    return out

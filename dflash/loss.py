@@ -1,0 +1,77 @@
+"""Losses: pure functions returning (weighted sum, weight sum).
+
+The caller divides by the GLOBAL weight sum (over micro-batches and data-parallel ranks), so
+gradient accumulation and data parallelism give the gradient of one big batch.
+Legend: M labelled positions, H hidden, V vocab, B block size.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    if block_size in DEFAULT_GAMMA:
+        return DEFAULT_GAMMA[block_size]
+    return max(1.0, 7.0 * (block_size - 1) / 15.0)
+
+
+def position_weights(block_size: int, gamma: Optional[float] = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
+    g = default_gamma(block_size) if gamma is None else float(gamma)
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / g)
+
+
+def _ce_chunk(h_MH, w_VH, labels_M, weights_M):
+    logits = (h_MH @ w_VH.t()).float()
+    ce = F.cross_entropy(logits, labels_M, reduction="none")
+    correct = (logits.argmax(-1) == labels_M).float()
+    return (ce * weights_M).sum(), (correct * weights_M).sum().detach()
+
+
+def weighted_ce_sum(h_MH: torch.Tensor, lm_head_w_VH: torch.Tensor, labels_M: torch.Tensor,
+                    weights_M: torch.Tensor, *, chunk: int = 4096):
+    """Hard CE against the target's greedy tokens, weighted, summed. The [M, V] logits are built
+    chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
+    Returns (loss_sum, weighted_correct_sum)."""
+    loss = h_MH.new_zeros((), dtype=torch.float32)
+    correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
+    for i in range(0, h_MH.shape[0], chunk):
+        args = (h_MH[i:i + chunk], lm_head_w_VH, labels_M[i:i + chunk], weights_M[i:i + chunk])
+        if torch.is_grad_enabled() and h_MH.requires_grad:
+            l, c = checkpoint(_ce_chunk, *args, use_reentrant=False)
+        else:
+            l, c = _ce_chunk(*args)
+        loss = loss + l
+        correct = correct + c
+    return loss, correct
+
+
+def soft_kl_sum(h_MH: torch.Tensor, lm_head_w_VH: torch.Tensor, target_h_MH: torch.Tensor,
+                weights_M: torch.Tensor, *, chunk: int = 4096):
+    """KL(target || drafter) weighted sum; only reachable with train.allow_soft_loss=true.
+    Target logits come from the clean final hidden state through the same frozen lm_head."""
+    loss = h_MH.new_zeros((), dtype=torch.float32)
+    for i in range(0, h_MH.shape[0], chunk):
+        def f(h, th, w):
+            lp = F.log_softmax((h @ lm_head_w_VH.t()).float(), -1)
+            tp = F.log_softmax((th @ lm_head_w_VH.t()).float(), -1)
+            return (F.kl_div(lp, tp, log_target=True, reduction="none").sum(-1) * w).sum()
+        args = (h_MH[i:i + chunk], target_h_MH[i:i + chunk], weights_M[i:i + chunk])
+        loss = loss + (checkpoint(f, *args, use_reentrant=False) if h_MH.requires_grad else f(*args))
+    return loss
+
+
+def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, cosine to min_ratio at `total`."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
