@@ -12,9 +12,9 @@ setup()
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    rc = typed(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
     try:
+        rc = typed(cfg)
         if rc.topology.mode == "split" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from dflash.pipeline import run_distributed
             run_distributed(rc, run_dir)

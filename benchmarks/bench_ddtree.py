@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_ddtree.py [--blocks 20] [--budgets 4,8,...]
 
-Synthetic drafter-like blocks: at position k the drafter puts probability ~p_k (decaying
-with k) on one token, and the target's greedy token is that token with probability ~p_k,
-else one of its runner-ups, so acceptance depths are realistic (a few tokens). Prints
+Synthetic drafter-like blocks: at position k the drafter puts probability p_k (0.95 at k=1
+down to 0.5 at k=D) on one token, and the target's greedy token is that token with
+probability p_k, else one of its runner-ups (rank 2..6), so acceptance depths are realistic. Prints
 measured figures only.
 """
 
@@ -21,14 +21,14 @@ from dflash.metrics import walk_chain, walk_ddtree
 
 
 def drafter_like_block(gen: torch.Generator, D: int, V: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprobs [D, V], greedy target [D])."""
-    logits = torch.randn(D, V, generator=gen) * 2.0
-    conf = torch.linspace(14.0, 6.0, D)  # top-1 boost, decaying with depth
+    """(logprobs [D, V], greedy target [D]): top-1 prob p_k from 0.95 (k=1) to 0.5 (k=D)."""
+    logits = torch.randn(D, V, generator=gen) * 1.5
+    p_top = torch.linspace(0.95, 0.5, D, dtype=torch.float64)
     top = torch.randint(0, V, (D,), generator=gen)
-    logits[torch.arange(D), top] += conf
+    rest = logits.double().scatter(1, top[:, None], -float("inf")).logsumexp(-1)
+    logits[torch.arange(D), top] = (torch.log(p_top / (1 - p_top)) + rest).float()
     lp = torch.log_softmax(logits, dim=-1)
-    p_top = lp[torch.arange(D), top].exp()
-    hit = torch.rand(D, generator=gen) < p_top
+    hit = torch.rand(D, generator=gen, dtype=torch.float64) < p_top
     runner = lp.topk(6, dim=-1).indices[torch.arange(D), torch.randint(1, 6, (D,), generator=gen)]
     return lp, torch.where(hit, top, runner)
 

@@ -153,6 +153,8 @@ class RunConfig:
     run_name: str = "smoke"
     out_root: str = "outputs"
     resume: Optional[str] = None  # None | "true" | PATH
+    ckpt: Optional[str] = None  # eval.py: drafter checkpoint directory (ours or z-lab format)
+    out: Optional[str] = None  # eval.py: also write all figures to this JSON file
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -171,7 +173,16 @@ class RunConfig:
         _check_choice("logger.kind", self.logger.kind, ("console", "wandb", "none"))
         _check_choice("topology.mode", self.topology.mode, ("colocated", "split"))
         _check_choice("topology.on_bad_batch", self.topology.on_bad_batch, ("skip", "stop"))
-        if (self.target.path is None) == (self.target.config is None):
+        if self.target.path is None and self.target.config is None:
+            raise ValueError(
+                f"target.path is not set (target={self.target.name}): set target.path=/path/to/the/"
+                "weights (a local Hugging Face directory; nothing is downloaded at run time), or pick "
+                "a tiny random target, e.g. target=tiny_qwen3_5")
+        if self.data.source in ("jsonl", "parquet") and not self.data.paths:
+            raise ValueError(f"data.paths is empty for data.source={self.data.source}: set "
+                             "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
+                             "field), or data=selfgen for the target's own text on random prompts")
+        if self.target.path is not None and self.target.config is not None:
             raise ValueError(
                 "target: set exactly one of target.path (local weights) and target.config "
                 f"(random weights from a config); got path={self.target.path!r}, "
@@ -222,7 +233,7 @@ def to_run_config(cfg: Any) -> RunConfig:
     """DictConfig (already schema-checked by Hydra) -> validated RunConfig."""
     from omegaconf import OmegaConf
 
-    raw = OmegaConf.to_container(cfg, resolve=True)
+    raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     raw.pop("hydra", None)
     for k in [k for k in raw if k not in {f.name for f in dataclasses.fields(RunConfig)}]:
         raise ValueError(f"unknown top-level config key {k!r}")

@@ -111,11 +111,11 @@ def _sorted_topk(
     logprobs_DK: Tensor, ids_DK: Tensor | None, k: int, *, full_vocab: bool
 ) -> tuple[Tensor, Tensor]:
     """Rows sorted by logprob descending, truncated to k columns (k >= 1)."""
-    logprobs_DK = logprobs_DK.detach().to("cpu")
     if ids_DK is None:
-        # full-vocab input: topk is exact (see module docstring)
-        vals, ids = torch.topk(logprobs_DK, min(k, logprobs_DK.shape[-1]), dim=-1)
-        return vals, ids
+        # full-vocab input: topk (on the input's device) is exact, see module docstring
+        vals, ids = torch.topk(logprobs_DK.detach(), min(k, logprobs_DK.shape[-1]), dim=-1)
+        return vals.cpu(), ids.cpu()
+    logprobs_DK = logprobs_DK.detach().to("cpu")
     ids_DK = ids_DK.detach().to("cpu")
     if ids_DK.shape != logprobs_DK.shape:
         raise ValueError(f"top-k ids {tuple(ids_DK.shape)} != logprobs {tuple(logprobs_DK.shape)}")
@@ -125,9 +125,43 @@ def _sorted_topk(
             "that were not stored; store more columns, or pass full_vocab=True if the columns "
             "are the whole vocabulary"
         )
-    vals, order = torch.sort(logprobs_DK, dim=-1, descending=True, stable=True)
-    ids = torch.gather(ids_DK, -1, order)
-    return vals[..., :k], ids[..., :k]
+    if logprobs_DK.shape[-1] > 1 and not bool((logprobs_DK[..., 1:] <= logprobs_DK[..., :-1]).all()):
+        logprobs_DK, order = torch.sort(logprobs_DK, dim=-1, descending=True, stable=True)
+        ids_DK = torch.gather(ids_DK, -1, order)
+    return logprobs_DK[..., :k], ids_DK[..., :k]
+
+
+def _heap_rows(vals_xDK: Tensor, budget: int) -> list[list[list[float]]]:
+    """Python rows for the heap, per leading index, dropping columns that cannot pop.
+
+    Converting tensors to python floats dominates small trees, so columns are cut by a
+    score bound first. For any depth d, the ``budget`` prefixes (argmax_1..argmax_{d-1}, r-th
+    token at d), r < budget, show that the budget-th best score is at least
+    S = max_d (M_{d-1} + lp_d[budget-1]), M_{d-1} = sum of the top-1 logprobs before d. A node
+    at depth d in column r scores at most M_{d-1} + lp_d[r]; if that is below S it is not in
+    the tree, and neither are its descendants or later siblings. Exact (with a tiny slack for
+    summation order); rows keep at least one column.
+    """
+    v = vals_xDK.detach().to("cpu", torch.float64)
+    *_, D, K = v.shape
+    v = v.reshape(-1, D, K)
+    keep = torch.full((v.shape[0], D), K, dtype=torch.long)
+    if 0 < budget <= K:
+        m = torch.cat([torch.zeros_like(v[:, :1, 0]), v[:, :-1, 0].cumsum(1)], dim=1)  # M_{d-1}
+        s_lb = (m + v[:, :, budget - 1]).amax(1, keepdim=True)
+        thr = s_lb - m - 1e-9 * (1.0 + s_lb.abs() + m.abs())
+        thr = torch.where(torch.isfinite(s_lb), thr, torch.full_like(thr, -float("inf")))
+        keep = (v >= thr.unsqueeze(-1)).sum(-1).clamp(min=1)
+    mask = torch.arange(K) < keep.unsqueeze(-1)
+    flat = v[mask].tolist()
+    out, pos = [], 0
+    for counts in keep.tolist():
+        rows = []
+        for c in counts:
+            rows.append(flat[pos:pos + c])
+            pos += c
+        out.append(rows)
+    return out
 
 
 def _greedy_ranks(ids_xDK: Tensor, target_xD: Tensor) -> Tensor:
@@ -162,14 +196,14 @@ def _path_prefix(ranks_D: list[int]) -> list[int]:
 
 def _best_first_tree(lp_rows: list[list[float]], budget: int) -> list[tuple[int, int, int, float]]:
     """Pop the ``budget`` best prefixes; returns (depth, rank, parent_index, score) per node."""
-    D, K = len(lp_rows), len(lp_rows[0])
+    D, K = len(lp_rows), max(map(len, lp_rows))  # K: base of the rank-tuple code
     nodes: list[tuple[int, int, int, float]] = []
     heap = [(-lp_rows[0][0], 1, 0, 0, 0.0, -1)]
     while heap and len(nodes) < budget:
         neg, d, code, r, pneg, parent = heap[0]
         idx = len(nodes)
         nodes.append((d, r, parent, -neg))
-        if r + 1 < K:
+        if r + 1 < len(lp_rows[d - 1]):
             heapq.heapreplace(heap, (pneg - lp_rows[d - 1][r + 1], d, code + 1, r + 1, pneg, parent))
         else:
             heapq.heappop(heap)
@@ -187,7 +221,8 @@ def _greedy_pop_ranks(lp_rows: list[list[float]], path_ranks: list[int], max_pop
     m = len(path_ranks)
     if m == 0 or max_pops <= 0:
         return []
-    D, K = len(lp_rows), len(lp_rows[0])
+    D, K = len(lp_rows), max(map(len, lp_rows))
+    lens = [len(row) for row in lp_rows]
     g = path_ranks + [-1] * (D - m + 1)  # depth > m is never on the path
     out: list[int] = []
     pops = 0
@@ -203,7 +238,7 @@ def _greedy_pop_ranks(lp_rows: list[list[float]], path_ranks: list[int], max_pop
                 break
         if pops >= max_pops:
             break
-        if r + 1 < K:
+        if r + 1 < lens[d - 1]:
             heapreplace(heap, (pneg - lp_rows[d - 1][r + 1], d, code + 1, r + 1, pneg, parent_on))
         else:
             heappop(heap)
@@ -244,7 +279,7 @@ def build_ddtree(
         return DDTree(e, e.clone(), e.clone(), torch.empty(0, dtype=torch.float64),
                       torch.empty(0, 0, dtype=torch.bool))
     vals_DK, ids_DK = _sorted_topk(logprobs_DV, topk_ids_DK, budget, full_vocab=full_vocab)
-    nodes = _best_first_tree(vals_DK.double().tolist(), budget)
+    nodes = _best_first_tree(_heap_rows(vals_DK, budget)[0], budget)
     depths = torch.tensor([n[0] for n in nodes], dtype=torch.long)
     ranks = torch.tensor([n[1] for n in nodes], dtype=torch.long)
     parents = torch.tensor([n[2] for n in nodes], dtype=torch.long)
@@ -308,7 +343,7 @@ def _accept_prepared(vals_DK: Tensor, ids_DK: Tensor, target: Tensor, budgets: l
     path = _path_prefix(_greedy_ranks(ids_DK, target).tolist())
     if not path:
         return {b: 0 for b in budgets}
-    pop_ranks = _greedy_pop_ranks(vals_DK.double().tolist(), path, max(budgets))
+    pop_ranks = _greedy_pop_ranks(_heap_rows(vals_DK, max(budgets))[0], path, max(budgets))
     return dict(zip(budgets, _accepted_per_budget(pop_ranks, budgets)))
 
 
@@ -319,7 +354,7 @@ def ddtree_accept_many(
     budgets: Sequence[int],
     *,
     full_vocab: bool = False,
-    chunk: int = 256,
+    chunk: int = 16,
 ) -> Tensor:
     """Batched ``ddtree_accept_topk`` over N anchors -> LongTensor [N, len(budgets)].
 
@@ -336,7 +371,7 @@ def ddtree_accept_many(
         vals, ids = _sorted_topk(topk_logprobs_NDK[s:s + chunk], topk_ids_NDK[s:s + chunk], bmax,
                                  full_vocab=full_vocab)
         ranks = _greedy_ranks(ids, torch.as_tensor(target_tokens_ND[s:s + chunk])).tolist()
-        rows = vals.double().tolist()
+        rows = _heap_rows(vals, bmax)
         for n, (lp_rows, r) in enumerate(zip(rows, ranks)):
             path = _path_prefix(r)
             if path:

@@ -141,7 +141,9 @@ def evaluate(drafter: DFlashDrafter, heads, items: list[EvalItem], budgets, dtyp
     reports = []
     for n, it in enumerate(items):
         draft, lp, ids = draft_all_anchors(drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype)
-        reports.append(evaluate_prompt(draft, it.completion_ids, lp, ids, budgets=list(budgets), prompt_id=n))
+        full_vocab = lp is not None and lp.shape[-1] == heads.lm_head.weight.shape[0]
+        reports.append(evaluate_prompt(draft, it.completion_ids, lp, ids, budgets=list(budgets),
+                                       full_vocab=full_vocab, prompt_id=n))
     drafter.train(was_training)
     return reports, summarize(reports)
 

@@ -175,6 +175,8 @@ def walk_ddtree(
         return walks
     if topk_logprobs_LDK.shape[0] < L - 1:
         raise ValueError(f"draft has {topk_logprobs_LDK.shape[0]} anchor rows, completion needs {L - 1}")
+    if topk_ids_LDK is not None:  # top-k inputs are small: one transfer, not one per anchor
+        topk_logprobs_LDK, topk_ids_LDK = topk_logprobs_LDK.detach().cpu(), topk_ids_LDK.detach().cpu()
     memo: dict[int, list[int]] = {}
 
     def accepted_at(i: int) -> list[int]:

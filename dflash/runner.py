@@ -77,7 +77,9 @@ def resume_path(cfg: RunConfig, run_dir: str) -> Optional[str]:
     return str(r)
 
 
-def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None) -> dict:
+def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None,
+                 stop_at: Optional[int] = None) -> dict:
+    """stop_at: end after that step as if interrupted (tests of resume)."""
     os.makedirs(run_dir, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
     target = build_target(cfg)
@@ -110,10 +112,11 @@ def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None) 
                     f"(sample position {source.stream.position})")
     with open(os.path.join(run_dir, "run_config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
-    return train_loop(cfg, trainer, source, evaluator, logger, run_dir)
+    return train_loop(cfg, trainer, source, evaluator, logger, run_dir, stop_at)
 
 
-def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logger: Logger, run_dir: str) -> dict:
+def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logger: Logger, run_dir: str,
+               stop_at: Optional[int] = None) -> dict:
     tc = cfg.train
     last: dict = {}
     first_eval = None
@@ -145,6 +148,8 @@ def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logge
             path = save_checkpoint(run_dir, step, trainer.drafter, trainer.state_dict(), tc.keep_last,
                                    extra={"source": source.state_dict()})
             last["checkpoint"] = path
+        if stop_at is not None and step >= stop_at:
+            break
     bar.close()
     if first_eval is not None:
         last["eval0/streak"] = first_eval.get("eval/streak")

@@ -51,6 +51,16 @@ def random_lp(gen, D, V, scale=2.0):
     return torch.log_softmax(torch.randn(D, V, generator=gen) * scale, dim=-1)
 
 
+def peaked_lp(gen, D, V):
+    """Drafter-like: top-1 prob from 0.95 (position 1) down to 0.5, the rest spread thinly."""
+    logits = torch.randn(D, V, generator=gen, dtype=torch.float64) * 1.5
+    p_top = torch.linspace(0.95, 0.5, D, dtype=torch.float64)
+    top = torch.randint(0, V, (D,), generator=gen)
+    rest = logits.scatter(1, top[:, None], -float("inf")).logsumexp(-1)
+    logits[torch.arange(D), top] = torch.log(p_top / (1 - p_top)) + rest
+    return torch.log_softmax(logits, dim=-1).float()
+
+
 def check_tree_structure(tree, D):
     b = tree.num_nodes
     paths = tree.paths()
@@ -127,12 +137,14 @@ def test_build_tie_breaking_puts_ancestors_first():
     assert build_ddtree(lp, 5).paths() == [(0,), (1,), (2,), (0, 0), (0, 1)]
 
 
-def test_build_large_vocab_matches_beam_reference():
+@pytest.mark.parametrize("peaked", [False, True])
+def test_build_large_vocab_matches_beam_reference(peaked):
     # top-b per depth among extensions of the previous depth's top-b, then global top-b:
     # exact because the b-tree is prefix-closed; an independent, vectorised reference.
+    # The peaked case is where build's column pruning cuts most rows.
     gen = torch.Generator().manual_seed(6)
     D, V, b = 15, 3000, 300
-    lp = random_lp(gen, D, V, scale=4.0).double()
+    lp = (peaked_lp(gen, D, V) if peaked else random_lp(gen, D, V, scale=4.0)).double()
     beam_s, beam_p = torch.zeros(1, dtype=torch.float64), [()]
     all_s, all_p = [], []
     for d in range(D):
@@ -211,12 +223,13 @@ def test_accept_topk_and_many_equal_full_variant():
     assert many[-1].max() <= 10
 
 
-def test_accept_agrees_with_tree_built_by_build_ddtree():
+@pytest.mark.parametrize("peaked", [False, True])
+def test_accept_agrees_with_tree_built_by_build_ddtree(peaked):
     # walking the materialised tree along the target's tokens gives the same depth
     gen = torch.Generator().manual_seed(21)
-    D, V = 8, 40
+    D, V = (15, 500) if peaked else (8, 40)
     for trial in range(20):
-        lp = random_lp(gen, D, V, scale=1.0 + trial / 4)
+        lp = peaked_lp(gen, D, V) if peaked else random_lp(gen, D, V, scale=1.0 + trial / 4)
         target = _targets(gen, lp, V)[trial % 3]
         for b in (1, 3, 10, 50, 200):
             tree = build_ddtree(lp, b)

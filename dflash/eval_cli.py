@@ -1,0 +1,77 @@
+"""eval.py: load a drafter checkpoint, check it against the target, run the offline simulation."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from .checkpoint import load_drafter
+from .config import RunConfig, TargetConfig
+from .evaluation import build_eval_set, evaluate
+from .report import print_report, write_json
+from .trainer import Heads
+
+
+def run_config_of(ckpt: str) -> dict | None:
+    """Our checkpoints sit in <run_dir>/checkpoints/step_*; the run's config is next to them."""
+    for cand in (os.path.join(ckpt, "..", "..", "run_config.json"), os.path.join(ckpt, "run_config.json")):
+        if os.path.isfile(cand):
+            with open(cand) as f:
+                return json.load(f)
+    return None
+
+
+def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
+    if not rc.ckpt:
+        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
+    if not os.path.isdir(rc.ckpt):
+        raise FileNotFoundError(f"ckpt={rc.ckpt!r} is not a directory")
+    drafter, report = load_drafter(rc.ckpt, strict=False)
+    spec = drafter.spec
+    fc_in = report["fc_input"]
+    print(f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
+          f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)")
+    print(f"Loaded {report['loaded']} tensors; skipped (not drafter weights): {report['skipped'] or 'none'}; "
+          f"missing: {report['missing'] or 'none'}")
+    if report["missing"]:
+        raise ValueError(f"{rc.ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete")
+    prev = run_config_of(rc.ckpt)
+    user_set = {o.split("=")[0].lstrip("+") for o in overrides}
+    if prev is not None and not any(k == "target" or k.startswith("target.") for k in user_set):
+        rc = dataclasses.replace(rc, target=TargetConfig(**prev["target"]))
+        print(f"target: {rc.target.name} (from the checkpoint's run config)")
+    target = _target_for(rc, spec)
+    items = build_eval_set(rc, target, os.path.join(out_dir, "data"), log=print)
+    dev = target.device
+    drafter = drafter.to(dev)
+    reports, summary = evaluate(drafter, Heads(target.embed_tokens, target.lm_head), items, rc.eval.budgets)
+    print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
+    if rc.out:
+        meta = {"ckpt": os.path.abspath(rc.ckpt), "target": rc.target.name, "block_size": spec.block_size,
+                "target_layer_ids": spec.target_layer_ids, "eval": dataclasses.asdict(rc.eval)}
+        write_json(rc.out, reports, summary, meta)
+        print(f"wrote {rc.out}")
+    return summary
+
+
+def _target_for(rc: RunConfig, spec):
+    """Load the target with the checkpoint's layer ids, refusing mismatches with one clear line."""
+    from .target import check_layer_ids, load_hf_model, resolve_device, resolve_dtype, select_linear_attn_backend
+    from .target import Target
+
+    device = resolve_device(rc.target.device)
+    backend = select_linear_attn_backend(rc.target.linear_attn_backend, device)
+    model, tok = load_hf_model(rc.target, device, resolve_dtype(rc.target.dtype, device))
+    L, H = int(model.config.num_hidden_layers), int(model.config.hidden_size)
+    V = int(model.get_output_embeddings().weight.shape[0])
+    if spec.hidden_size != H:
+        raise ValueError(f"drafter hidden size {spec.hidden_size} != target hidden size {H} "
+                         f"(target={rc.target.name}); evaluate with the target it was trained for")
+    if spec.vocab_size != V:
+        raise ValueError(f"drafter vocab {spec.vocab_size} != target vocab {V} (target={rc.target.name})")
+    bad = [i for i in spec.target_layer_ids if i >= L - 1]
+    if bad:
+        raise ValueError(f"checkpoint target_layer_ids {spec.target_layer_ids} include {bad}, beyond or at "
+                         f"the final layer of a {L}-layer target (target={rc.target.name})")
+    check_layer_ids(spec.target_layer_ids, L)
+    return Target(model, spec.target_layer_ids, tok, spec.mask_token_id, backend)

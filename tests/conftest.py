@@ -1,0 +1,62 @@
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DFLASH_NO_PROGRESS", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+torch.set_num_threads(1)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONF = os.path.join(ROOT, "conf")
+
+
+def target_cfg(name: str, **over):
+    from dflash.config import TargetConfig
+
+    raw = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "target", f"{name}.yaml")), resolve=True)
+    raw.update(over)
+    return TargetConfig(**raw)
+
+
+_TARGETS = {}
+
+
+def get_target(name: str, num_aux: int = 3, layer_ids=None):
+    from dflash.target import load_target
+
+    key = (name, num_aux, tuple(layer_ids) if layer_ids else None)
+    if key not in _TARGETS:
+        _TARGETS[key] = load_target(target_cfg(name), layer_ids=layer_ids, num_aux=num_aux)
+    return _TARGETS[key]
+
+
+def make_drafter(target, block_size=4, layer_types=("sliding_attention", "full_attention"),
+                 window=64, seed=0, std=0.05):
+    from dflash.config import DrafterConfig
+    from dflash.drafter import DFlashDrafter
+    from dflash.trainer import resolve_spec
+
+    dcfg = DrafterConfig(num_layers=len(layer_types), layer_types=list(layer_types), sliding_window=window,
+                         target_layer_ids=list(target.layer_ids), block_size=block_size,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64)
+    mc = target.model.config
+    spec = resolve_spec(dcfg, target.num_layers, target.hidden_size, target.vocab_size,
+                        mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads,
+                        target.mask_token_id)
+    d = DFlashDrafter(spec)
+    d.init_weights(std, torch.Generator().manual_seed(seed))
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen():
+    return get_target("tiny_qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return get_target("tiny_llama")

@@ -1,0 +1,130 @@
+"""Checkpoint format, eval.py end to end, and eval == training block machinery."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, make_drafter
+from dflash.checkpoint import load_drafter, save_checkpoint, save_drafter
+from dflash.evaluation import EvalItem, draft_all_anchors, evaluate
+from dflash.trainer import Heads
+
+EXPECTED_LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                       "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                       "input_layernorm.weight", "post_attention_layernorm.weight"}
+
+
+def test_serving_format(tiny_qwen, tmp_path):
+    from safetensors import safe_open
+    d = make_drafter(tiny_qwen)
+    save_drafter(str(tmp_path), d)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"] == {"target_layer_ids": tiny_qwen.layer_ids, "mask_token_id": 511}
+    assert cfg["block_size"] == 4 and cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
+        f"layers.{i}.{k}" for i in range(2) for k in EXPECTED_LAYER_KEYS}
+    assert keys == expected
+    back, rep = load_drafter(str(tmp_path))
+    assert rep["fc_input"] == 3 * 128 and not rep["missing"]
+    # z-lab published directories may prefix keys with "model." and carry extra tensors
+    for k, v in d.state_dict().items():
+        assert torch.allclose(back.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
+    d = make_drafter(tiny_qwen)
+    p = save_checkpoint(str(tmp_path), 3, d, {"x": 1}, keep_last=1)
+    save_checkpoint(str(tmp_path), 5, d, {"x": 1}, keep_last=1)
+    names = os.listdir(tmp_path / "checkpoints")
+    assert sorted(names) == ["latest", "step_00000005"] and not os.path.exists(p)
+
+
+def test_eval_drafts_equal_training_path(tiny_qwen):
+    """The eval's cached-context pass gives the same predictions as the training forward."""
+    from dflash.blocks import build_blocks
+    d = make_drafter(tiny_qwen, block_size=4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 500, (1, 20), generator=g)
+    aux = tiny_qwen.capture(ids).aux_NTF
+    item = EvalItem(ids[0, :8], ids[0, 8:], aux[0])
+    heads = Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head)
+    draft, lp, tk = draft_all_anchors(d, heads, item, top_k=4, anchor_chunk=5)
+    anchors = torch.arange(8, 20)[None]
+    blk = build_blocks(ids, torch.arange(20)[None], torch.zeros(1, 20, dtype=torch.long), anchors,
+                       torch.ones_like(anchors, dtype=torch.bool), 4, 511, d.spec.layer_types, d.spec.sliding_window)
+    with torch.no_grad():
+        h = d(heads.embed(blk.block_ids_NQ), blk.block_pos_NQ, blk.masks, aux_NTF=aux, ctx_pos_NT=torch.arange(20)[None])
+    ref = (h.view(12, 4, -1)[:, 1:] @ heads.lm_head.weight.t()).argmax(-1)
+    assert torch.equal(draft, ref)
+    assert lp.shape == (12, 3, 4) and torch.equal(tk[..., 0], draft)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    r = subprocess.run([sys.executable, "train.py", "logger=none", f"out_root={out}", "run_name=r",
+                        "train.steps=20", "train.save_every=20", "train.eval_every=20", "data.num_samples=32"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out / "r", r.stdout
+
+
+def test_default_run_prints_loss_and_acceptance(trained_run):
+    run_dir, stdout = trained_run
+    assert "eval: streak" in stdout and "tau" in stdout
+    lines = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+    assert any("train/loss" in x for x in lines) and any("eval/tau" in x for x in lines)
+
+
+def test_eval_cli_table_and_json(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    ck = run_dir / "checkpoints" / "step_00000020"
+    out = tmp_path / "rep.json"
+    r = subprocess.run([sys.executable, "eval.py", f"ckpt={ck}", f"out={out}", f"out_root={tmp_path}",
+                        "logger=none"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Detected fc input: 384 = 3 target layers" in r.stdout
+    assert "per prompt" in r.stdout and "summary" in r.stdout
+    rep = json.load(open(out))
+    assert {"streak", "tau", "dds@4", "acc_pos_1"} <= set(rep["summary"]) and rep["prompts"]
+    assert rep["prompts"][0]["matches"]
+    # the in-loop eval and eval.py agree (same code path, same cached prompts)
+    last = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if "eval/tau" in x][-1]
+    assert rep["summary"]["tau"] == pytest.approx(last["eval/tau"], abs=1e-9)
+
+
+@pytest.mark.parametrize("break_it,match", [
+    ("corrupt", "not a readable safetensors"), ("hidden", "hidden size"), ("vocab", "vocab"),
+    ("layers", "final layer"), ("nojson", "no config.json"), ("fc", "fc input")])
+def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match):
+    import shutil
+    run_dir, _ = trained_run
+    ck = tmp_path / "ck"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000020", ck)
+    extra = []
+    cfg = json.load(open(ck / "config.json"))
+    if break_it == "corrupt":
+        (ck / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    elif break_it == "hidden":  # a target of another width
+        extra = ["target.config.hidden_size=64", "target.config.head_dim=16"]
+    elif break_it == "vocab":
+        extra = ["target.config.vocab_size=1024"]
+    elif break_it == "layers":
+        cfg["dflash_config"]["target_layer_ids"] = [1, 3, 7]
+    elif break_it == "fc":
+        cfg["dflash_config"]["target_layer_ids"] = [1, 3]
+    else:
+        os.remove(ck / "config.json")
+    if (ck / "config.json").exists():
+        json.dump(cfg, open(ck / "config.json", "w"))
+    r = subprocess.run([sys.executable, "eval.py", f"ckpt={ck}", f"out_root={tmp_path}", "logger=none",
+                        "target=tiny_qwen3_5", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert match in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
