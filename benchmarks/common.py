@@ -1,0 +1,49 @@
+"""Shared helpers for benchmark scripts: timing with CUDA sync and an in-process matmul peak."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, iters: int, warmup: int = 1) -> float:
+    """Median seconds per call."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int = 10) -> float:
+    """The baseline every ratio is taken against: a large dense matmul in this process."""
+    if torch.device(device).type != "cuda":
+        n = 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    s = timed(lambda: a @ b, device, iters, warmup=3)
+    return 2 * n ** 3 / s / 1e12
+
+
+def load_target_yaml(name: str):
+    from omegaconf import OmegaConf
+
+    from dflash.config import TargetConfig
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    raw = OmegaConf.to_container(OmegaConf.load(os.path.join(root, "conf", "target", f"{name}.yaml")), resolve=True)
+    return TargetConfig(**raw)

@@ -1,0 +1,43 @@
+"""Loggers: metrics.jsonl always, wandb offline without credentials, plots from jsonl."""
+import json
+import os
+
+import pytest
+
+from dflash.config import LoggerConfig
+from dflash.loggers import make_logger
+
+
+def test_jsonl_and_console(tmp_path, capsys):
+    lg = make_logger(LoggerConfig(kind="console"), str(tmp_path), "r", {})
+    lg.log({"train/loss": 1.5, "eval/tau": 2.0}, step=3)
+    lg.close()
+    assert "step      3" in capsys.readouterr().out
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert rows[0]["step"] == 3 and rows[0]["train/loss"] == 1.5
+
+
+def test_wandb_offline_without_credentials(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    lg = make_logger(LoggerConfig(kind="wandb"), str(tmp_path), "r", {"a": 1})
+    assert lg.run is not None and lg.run.settings.mode == "offline"
+    lg.log({"train/loss": 1.0}, step=1)
+    lg.close()
+    assert any(d.startswith("offline-run") for d in os.listdir(tmp_path / "wandb"))
+
+
+def test_plot_from_metrics(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dflash.tools.plot import plot_run
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for s in range(1, 5):
+            f.write(json.dumps({"step": s, "train/loss": 5 - s, "train/acc": s / 10, "eval/tau": 1 + s / 10,
+                                "eval/tau@4": 1 + s / 9, "eval/acc_pos_1": s / 5, "perf/tokens_per_s": 100}) + "\n")
+    out = plot_run(str(tmp_path))
+    assert os.path.getsize(out) > 10_000
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(str(tmp_path / "nope"))
