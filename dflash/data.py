@@ -6,6 +6,7 @@ target's own outputs, so the sequence's tokens and the target's greedy labels ag
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -42,41 +43,71 @@ def text_prompts(cfg: DataConfig) -> list:
         return humaneval_prompts(cfg.paths[0] if cfg.paths else None)
     if not cfg.paths:
         raise ValueError(f"data.source={cfg.source} needs data.paths=[file, ...]")
-    import datasets
-
     missing = [p for p in cfg.paths if not os.path.exists(p)]
     if missing:
         raise FileNotFoundError(f"data.paths: {missing} not found")
-    kind = "json" if cfg.source == "jsonl" else "parquet"
-    ds = datasets.load_dataset(kind, data_files=list(cfg.paths), split="train")
+    rows = _jsonl_rows(cfg) if cfg.source == "jsonl" else _parquet_rows(cfg)
+    if not rows:
+        raise ValueError(f"data.paths {list(cfg.paths)} hold no rows (the dataset is empty)")
+    return rows
+
+
+def _jsonl_rows(cfg: DataConfig) -> list:
+    rows = []
+    for path in cfg.paths:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                field = cfg.prompt_field if cfg.prompt_field in row else "messages"
+                if field not in row:
+                    raise ValueError(f"{path}:{n}: rows need a {cfg.prompt_field!r} or 'messages' field; "
+                                     f"found {sorted(row)} (set data.prompt_field)")
+                rows.append(row[field])
+                if len(rows) >= cfg.num_samples:
+                    return rows
+    return rows
+
+
+def _parquet_rows(cfg: DataConfig) -> list:
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=list(cfg.paths), split="train")
     field = cfg.prompt_field if cfg.prompt_field in ds.column_names else "messages"
     if field not in ds.column_names:
         raise ValueError(f"data rows need a {cfg.prompt_field!r} or 'messages' field; "
                          f"found {ds.column_names} (set data.prompt_field)")
-    rows = ds[field][: cfg.num_samples]
-    if not rows:
-        raise ValueError(f"data.paths {list(cfg.paths)} hold no rows")
-    return rows
+    return ds[field][: cfg.num_samples]
 
 
 def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[int]]:
-    """Apply the target's chat template exactly as configured (pitfall 6: the same function
-    builds eval prompts)."""
+    """Token ids of prompts with the target's text conventions (pitfall 6: the same function
+    builds eval prompts). target.chat_template=true: the tokenizer's chat template with a
+    generation prompt and `enable_thinking` passed explicitly; false: the raw text."""
+    if not prompts:
+        raise ValueError("no prompts to encode (the prompt source is empty)")
+    if tcfg.chat_template:
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError(f"target.chat_template=true but the tokenizer of target {tcfg.name!r} has no "
+                             "chat template; set target.chat_template=false to use raw prompts")
+        if tcfg.enable_thinking and "enable_thinking" not in str(template):
+            raise ValueError(f"target.enable_thinking=true but the chat template of target {tcfg.name!r} "
+                             "has no thinking switch; set target.enable_thinking=false")
     out = []
     for p in prompts:
         if tcfg.chat_template:
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise ValueError("target.chat_template=true but the tokenizer has no chat template; "
-                                 "set target.chat_template=false to use raw prompts")
             msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                enable_thinking=tcfg.enable_thinking)
+                                                return_dict=False, enable_thinking=tcfg.enable_thinking)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             out.append(list(ids))
         else:
             text = p if isinstance(p, str) else "\n".join(m["content"] for m in p)
-            out.append(tokenizer(text)["input_ids"])
+            out.append(list(tokenizer(text)["input_ids"]))
     return out
 
 
@@ -84,41 +115,69 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
 @torch.no_grad()
 def generate_greedy(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
                     temperature: float = 0.0, desc: str = "regenerate", seed: int = 0,
-                    partial_path: Optional[str] = None) -> list[list[int]]:
-    """Batched generation with the target (left padding); resumable through `partial_path`."""
-    model = target.model
+                    partial_path: Optional[str] = None, log=None) -> list[list[int]]:
+    """Batched generation with the target (left padding), one response per prompt.
+
+    Resumable: after every batch the responses so far go to `partial_path` (atomically, with a
+    key of the prompts and settings); a rerun with the same arguments continues from there and
+    gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds)."""
+    key = _regen_key(prompts, max_new_tokens, batch_size, temperature, seed)
+    done = _load_partial(partial_path, key, log)
+    bar = tqdm(total=len(prompts), initial=len(done), desc=desc, unit="seq", leave=False,
+               disable=os.environ.get("DFLASH_NO_PROGRESS") == "1")
+    for i in range(len(done), len(prompts), batch_size):
+        done += _generate_batch(target, prompts[i:i + batch_size], max_new_tokens, temperature, seed + i)
+        bar.update(len(prompts[i:i + batch_size]))
+        if partial_path:
+            _atomic_torch_save({"key": key, "responses": done}, partial_path)
+    bar.close()
+    return done
+
+
+def _generate_batch(target, chunk: list[list[int]], max_new_tokens: int, temperature: float,
+                    seed: int) -> list[list[int]]:
     tok = target.tokenizer
     pad = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else
            (tok.eos_token_id if tok is not None else target.mask_token_id))
     eos = tok.eos_token_id if tok is not None else None
-    done: list[list[int]] = []
-    if partial_path and os.path.exists(partial_path):
-        done = torch.load(partial_path)
-    bar = tqdm(total=len(prompts), initial=len(done), desc=desc, unit="seq", leave=False,
-               disable=os.environ.get("DFLASH_NO_PROGRESS") == "1")
-    for i in range(len(done), len(prompts), batch_size):
-        chunk = prompts[i:i + batch_size]
-        L = max(len(p) for p in chunk)
-        ids = torch.full((len(chunk), L), pad, dtype=torch.long)
-        att = torch.zeros(len(chunk), L, dtype=torch.long)
-        for r, p in enumerate(chunk):
-            ids[r, L - len(p):] = torch.tensor(p)
-            att[r, L - len(p):] = 1
-        kw = dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature)
-        torch.manual_seed(seed + i)
-        out = model.generate(input_ids=ids.to(target.device), attention_mask=att.to(target.device),
-                             max_new_tokens=max_new_tokens, min_new_tokens=1 if eos is None else 0,
-                             pad_token_id=pad, eos_token_id=eos, **kw)
-        for r in range(len(chunk)):
-            resp = out[r, L:].tolist()
-            if eos is not None and eos in resp:
-                resp = resp[: resp.index(eos) + 1]
-            done.append(resp)
-        bar.update(len(chunk))
-        if partial_path:
-            _atomic_torch_save(done, partial_path)
-    bar.close()
-    return done
+    L = max(len(p) for p in chunk)
+    ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+    att = torch.zeros(len(chunk), L, dtype=torch.long)
+    for r, p in enumerate(chunk):
+        ids[r, L - len(p):] = torch.tensor(p)
+        att[r, L - len(p):] = 1
+    kw = dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature)
+    torch.manual_seed(seed)
+    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=att.to(target.device),
+                                max_new_tokens=max_new_tokens, min_new_tokens=1 if eos is None else 0,
+                                pad_token_id=pad, eos_token_id=eos, **kw)
+    responses = []
+    for r in range(len(chunk)):
+        resp = out[r, L:].tolist()
+        if eos is not None and eos in resp:
+            resp = resp[: resp.index(eos) + 1]
+        responses.append(resp)
+    return responses
+
+
+def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:
+    h = hashlib.sha256(json.dumps([max_new_tokens, batch_size, temperature, seed]).encode())
+    for p in prompts:
+        h.update(json.dumps(list(p)).encode())
+    return h.hexdigest()[:16]
+
+
+def _load_partial(path: Optional[str], key: str, log) -> list[list[int]]:
+    if not path or not os.path.exists(path):
+        return []
+    state = torch.load(path)
+    if not isinstance(state, dict) or state.get("key") != key:
+        if log:
+            log(f"data: ignoring {path}: written for other prompts or settings")
+        return []
+    if log:
+        log(f"data: resuming regeneration at {len(state['responses'])} responses from {path}")
+    return list(state["responses"])
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -153,38 +212,84 @@ def build_samples(prompts: list[list[int]], responses: list[list[int]], max_leng
     return samples, stats
 
 
+_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to")  # do not change what is regenerated
+
+
 def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
-    key = json.dumps({"data": {k: v for k, v in vars(dcfg).items() if k != "cache_dir"},
+    key = json.dumps({"data": {k: v for k, v in vars(dcfg).items() if k not in _NOT_IN_FINGERPRINT},
                       "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
                       "extra": extra}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def dataset_path(dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str) -> str:
+    return os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg)}.pt")
+
+
+def build_prompts(dcfg: DataConfig, tcfg: TargetConfig, target) -> list[list[int]]:
+    """Token-id prompts for training data, with the target's text conventions applied."""
+    if dcfg.source == "selfgen":
+        return random_prompts(dcfg.num_samples, dcfg.prompt_len, target.vocab_size,
+                              [target.mask_token_id], dcfg.seed)
+    if target.tokenizer is None:
+        raise ValueError(f"data.source={dcfg.source} needs a target with a tokenizer (this target "
+                         "has none: it is built from target.config); use data.source=selfgen")
+    return encode_prompts(text_prompts(dcfg), target.tokenizer, tcfg)
+
+
+def drop_long_prompts(prompts: list[list[int]], max_length: int) -> tuple[list[list[int]], int]:
+    """Prompts that leave no room for a response token within max_length can never become a
+    sample; they are dropped before regeneration (and counted) instead of being generated for."""
+    keep = [p for p in prompts if len(p) < max_length]
+    return keep, len(prompts) - len(keep)
+
+
 def load_or_build_dataset(dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str,
                           log=print) -> list[Sample]:
     """Prompts -> the target's own responses -> samples; cached by a fingerprint of the configs."""
-    os.makedirs(cache_dir, exist_ok=True)
-    fp = data_fingerprint(dcfg, tcfg)
-    path = os.path.join(cache_dir, f"train-{fp}.pt")
+    from .corpora import check_training_source
+
+    check_training_source(dcfg.source, dcfg.paths)
+    path = dataset_path(dcfg, tcfg, cache_dir)
     if os.path.exists(path):
-        samples = [Sample(**s) for s in torch.load(path)]
+        samples = load_samples(path)
         log(f"data: {len(samples)} samples from cache {path}")
         return samples
-    if dcfg.source == "selfgen":
-        prompts = random_prompts(dcfg.num_samples, dcfg.prompt_len, target.vocab_size,
-                                 [target.mask_token_id], dcfg.seed)
-    else:
-        if target.tokenizer is None:
-            raise ValueError(f"data.source={dcfg.source} needs a target with a tokenizer")
-        prompts = encode_prompts(text_prompts(dcfg), target.tokenizer, tcfg)
+    return regenerate_dataset(dcfg, tcfg, target, path, log)
+
+
+def regenerate_dataset(dcfg: DataConfig, tcfg: TargetConfig, target, path: str, log=print) -> list[Sample]:
+    """Regenerate responses with the target and write the samples to `path` (resumable through
+    `path + '.partial'`)."""
+    from .corpora import check_training_source
+
+    check_training_source(dcfg.source, dcfg.paths)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prompts, num_long = drop_long_prompts(build_prompts(dcfg, tcfg, target), dcfg.max_length)
+    if not prompts:
+        raise ValueError(f"the dataset is empty: every prompt has >= data.max_length={dcfg.max_length} "
+                         "tokens; raise data.max_length or use shorter prompts")
+    log(f"data: regenerating {len(prompts)} responses (source {dcfg.source}, up to {dcfg.response_len} "
+        f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking})")
     responses = generate_greedy(target, prompts, dcfg.response_len, dcfg.regen_batch_size,
-                                dcfg.regen_temperature, partial_path=path + ".partial", seed=dcfg.seed)
+                                dcfg.regen_temperature, partial_path=path + ".partial", seed=dcfg.seed, log=log)
     samples, stats = build_samples(prompts, responses, dcfg.max_length, dcfg.too_long)
-    log(f"data: {len(samples)} samples regenerated by the target ({stats})")
+    stats["prompt_too_long"] = num_long
+    # The drafter's mask token should never be text; samples that contain it are counted.
+    stats["with_mask_token"] = sum(bool((s.input_ids == target.mask_token_id).any()) for s in samples)
+    log(f"data: {len(samples)} samples regenerated by the target ({_fmt_stats(stats)})")
     _atomic_torch_save([vars(s) for s in samples], path)
     if os.path.exists(path + ".partial"):
         os.remove(path + ".partial")
     return samples
+
+
+def _fmt_stats(stats: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in stats.items())
+
+
+def load_samples(path: str) -> list[Sample]:
+    return [Sample(**s) for s in torch.load(path)]
 
 
 # ----------------------------------------------------------------------------- stream

@@ -18,8 +18,16 @@ from .config import TargetConfig
 
 _GDN_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
                 "transformers.models.qwen3_next.modeling_qwen3_next")
-_GDN_FUNCS = ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule",
-              "causal_conv1d_fn", "causal_conv1d_update")
+# Canonical Gated-DeltaNet op -> module attribute names. transformers >= 5.15 binds each op
+# through `use_kernel_func_from_hub_with_fallback`, a wrapper named after the torch function
+# whose closure holds the chosen implementation; older versions expose the fla/causal_conv1d
+# function (or None = torch fallback) under the kernel's own name.
+_GDN_OPS = {
+    "chunk_gated_delta_rule": ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
+    "recurrent_gated_delta_rule": ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    "causal_conv1d_fn": ("causal_conv1d_fn",),
+    "causal_conv1d_update": ("causal_conv1d_update",),
+}
 
 
 # ----------------------------------------------------------------------------- backend selection
@@ -52,20 +60,49 @@ def select_linear_attn_backend(backend: str, device: torch.device) -> str:
             raise ValueError("target.linear_attn_backend=fla needs a CUDA device (fla kernels are "
                              "Triton GPU kernels); use linear_attn_backend=torch on CPU")
         if not _fla_importable():
+            if _HIDDEN_BY_DFLASH and "fla" in sys.modules and sys.modules["fla"] is None:
+                raise ValueError("target.linear_attn_backend=fla, but this process already selected "
+                                 "the torch backend (fla is hidden from imports); the backend is bound "
+                                 "at import, so run the fla target in a fresh process")
             raise ValueError("target.linear_attn_backend=fla but flash-linear-attention is not "
                              "installed; `pip install 'dflash[gpu]'` or use linear_attn_backend=torch")
     already = [m for m in _GDN_MODULES if m in sys.modules]
     for mod in already:
-        current = linear_attn_report(sys.modules[mod]).get("chunk_gated_delta_rule", "")
-        if ("fla" in current) != (backend == "fla"):
+        current = linear_attn_kind(linear_attn_report(sys.modules[mod]))
+        if current in ("fla", "torch", "mixed") and current != backend:
             raise RuntimeError(
-                f"{mod} was imported with the {'fla' if 'fla' in current else 'torch'} Gated-DeltaNet "
+                f"{mod} was imported with the {current} Gated-DeltaNet "
                 f"kernels before dflash could select {backend!r}; select the backend before importing "
                 "the model (use dflash.target.load_target) or start a fresh process")
     if backend == "torch":
-        sys.modules.setdefault("fla", None)  # makes `import fla` raise ImportError
-        sys.modules.setdefault("causal_conv1d", None)
+        _hide_gpu_kernels()
     return backend
+
+
+_HIDDEN_BY_DFLASH = False
+
+
+def _hide_gpu_kernels() -> None:
+    """Make `import fla` / `import causal_conv1d` raise ImportError so transformers binds its
+    torch fallbacks. If fla is already imported (by someone else), bind the GDN modeling modules
+    now with fla hidden and then put fla back, so the rest of the process is untouched."""
+    global _HIDDEN_BY_DFLASH
+    if sys.modules.get("fla") is not None:
+        saved = {k: v for k, v in sys.modules.items() if k == "fla" or k.startswith("fla.")}
+        for k in saved:
+            del sys.modules[k]
+        sys.modules["fla"] = None
+        try:
+            for m in _GDN_MODULES:
+                importlib.import_module(m)
+        finally:
+            del sys.modules["fla"]
+            sys.modules.update(saved)
+        return
+    for name in ("fla", "causal_conv1d"):
+        if name not in sys.modules:
+            sys.modules[name] = None
+            _HIDDEN_BY_DFLASH = True
 
 
 def _fla_importable() -> bool:
@@ -79,25 +116,125 @@ def _fla_importable() -> bool:
 
 
 def linear_attn_report(module=None) -> dict:
-    """Which implementation each Gated-DeltaNet op of an imported modeling module is bound to."""
-    mods = [module] if module is not None else [sys.modules[m] for m in _GDN_MODULES if m in sys.modules]
+    """Which implementation each Gated-DeltaNet op of an imported modeling module is bound to.
+
+    Values read "fla (<module.function>)", "causal_conv1d (...)", "hub kernel (...)" or
+    "torch fallback (...)". With `module=None`, every imported GDN modeling module is reported
+    (keys prefixed with the model type when more than one is imported)."""
+    if module is not None:
+        return _module_report(module)
+    mods = [sys.modules[m] for m in _GDN_MODULES if sys.modules.get(m) is not None]
+    if len(mods) == 1:
+        return _module_report(mods[0])
+    return {f"{m.__name__.rsplit('.', 1)[-1].removeprefix('modeling_')}.{k}": v
+            for m in mods for k, v in _module_report(m).items()}
+
+
+def linear_attn_kind(report: dict) -> str:
+    """"fla", "torch", "mixed" or "none" (no GDN module imported) for a linear_attn_report."""
+    kinds = {v.split(" (", 1)[0] for k, v in report.items() if "gated_delta_rule" in k}
+    if not kinds:
+        return "none"
+    if kinds == {"fla"}:
+        return "fla"
+    if kinds == {"torch fallback"}:
+        return "torch"
+    return "mixed"
+
+
+def _module_report(mod) -> dict:
     report = {}
-    for mod in mods:
-        for name in _GDN_FUNCS:
-            fn = getattr(mod, name, None)
-            if fn is None:
-                continue
-            impl = fn
-            for cell in getattr(fn, "__closure__", None) or ():
-                c = cell.cell_contents
-                if callable(c) and getattr(c, "__name__", "") in (name, f"torch_{name}") or (
-                        callable(c) and getattr(c, "__module__", "").startswith(("fla", "causal_conv1d"))):
-                    impl = c
-            report[name] = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+    for op, names in _GDN_OPS.items():
+        found = [getattr(mod, n) for n in names if hasattr(mod, n)]
+        if not found:
+            continue
+        # A kernel anywhere wins (old layout: `kernel or torch_fn`; new: the wrapper's choice).
+        impls = [_bound_implementation(fn) for fn in found if fn is not None]
+        kernels = [f for f in impls if _impl_kind(f) != "torch fallback"]
+        if kernels:
+            report[op] = f"{_impl_kind(kernels[0])} ({_qualname(kernels[0])})"
+        else:
+            report[op] = f"torch fallback ({_qualname(impls[0]) if impls else 'inline torch code'})"
     return report
 
 
+def _bound_implementation(fn, depth: int = 0):
+    """Follow transformers' fallback wrapper (and any hub-kernel wrapper around it) to the
+    function that actually runs."""
+    code = getattr(fn, "__code__", None)
+    cells = dict(zip(code.co_freevars, fn.__closure__ or ())) if code is not None else {}
+    if "implementation" in cells:
+        try:
+            return cells["implementation"].cell_contents
+        except ValueError:  # empty cell
+            pass
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is not None and depth < 8:
+        return _bound_implementation(inner, depth + 1)
+    return fn
+
+
+def _impl_kind(fn) -> str:
+    mod = getattr(fn, "__module__", "") or ""
+    if mod.split(".")[0] == "fla":
+        return "fla"
+    if mod.split(".")[0] == "causal_conv1d":
+        return "causal_conv1d"
+    if mod.startswith("transformers.") or mod.startswith("torch"):
+        return "torch fallback"
+    return "hub kernel"
+
+
+def _qualname(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}"
+
+
 # ----------------------------------------------------------------------------- loading
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def load_conf(group: str, name_or_path: str) -> dict:
+    """A conf/<group> yaml (by name, or a path) as a plain dict, without Hydra (tools and GPU
+    machines may lack it); `${oc.env:VAR,default}` is resolved."""
+    path = name_or_path
+    if not os.path.exists(path):
+        path = os.path.join(CONF_DIR, group, f"{name_or_path.removesuffix('.yaml')}.yaml")
+    if not os.path.exists(path):
+        names = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml"))
+        raise FileNotFoundError(f"{group} {name_or_path!r}: no such yaml; choose one of {names} or give a path")
+    try:
+        from omegaconf import OmegaConf
+        conf = OmegaConf.load(path)
+        missing = [k for k in conf if OmegaConf.is_missing(conf, k)]
+        raw = OmegaConf.to_container(conf, resolve=True)
+        raw.update({k: "???" for k in missing})  # mandatory: the user must set it
+    except ImportError:
+        import yaml
+        with open(path) as f:
+            raw = _resolve_env(yaml.safe_load(f))
+    return {k: v for k, v in (raw or {}).items() if k != "defaults"}
+
+
+def target_config_from_yaml(name_or_path: str, **overrides) -> TargetConfig:
+    """A TargetConfig from a conf/target yaml (e.g. `tiny_qwen3_5`) plus overrides."""
+    return TargetConfig(**{**load_conf("target", name_or_path), **overrides})
+
+
+def _resolve_env(x):
+    import re
+
+    if isinstance(x, dict):
+        return {k: _resolve_env(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_resolve_env(v) for v in x]
+    if not isinstance(x, str):
+        return x
+    pat = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([^${}]*))?\}")
+    while (m := pat.search(x)) is not None:  # innermost first: defaults hold no ${...}
+        x = x[:m.start()] + os.environ.get(m.group(1), m.group(2) or "") + x[m.end():]
+    return x
+
+
 def build_hf_config(config: dict):
     from transformers import AutoConfig
 
@@ -131,6 +268,9 @@ def load_hf_model(cfg: TargetConfig, device: torch.device, dtype: torch.dtype):
 
 def resolve_local_path(cfg: TargetConfig) -> str:
     """A local HF directory; a GGUF file is converted once to a plain directory next to it."""
+    if cfg.path in (None, "???"):
+        raise ValueError(f"target {cfg.name!r}: target.path is not set; point it at a local directory "
+                         "with the target's weights (nothing is downloaded at run time)")
     path = os.path.expanduser(str(cfg.path))
     if not os.path.exists(path):
         hint = ""
@@ -140,7 +280,7 @@ def resolve_local_path(cfg: TargetConfig) -> str:
                                 "local directory with the target's weights")
     if not cfg.gguf_file:
         return path
-    converted = os.path.join(path, "hf")
+    converted = os.path.join(path, "hf-" + os.path.splitext(os.path.basename(cfg.gguf_file))[0])
     if os.path.exists(os.path.join(converted, "config.json")):
         return converted
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,11 +290,37 @@ def resolve_local_path(cfg: TargetConfig) -> str:
         raise FileNotFoundError(f"{gguf} not found; run `bash ../shared/scripts/fetch_models.sh`")
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=cfg.gguf_file, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path, gguf_file=cfg.gguf_file)
+    # The GGUF loader dequantizes every tensor to float32 but leaves its quantizer attached, which
+    # makes save_pretrained refuse; the weights are plain tensors, so drop it.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     tmp = converted + f".tmp{os.getpid()}"
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, converted)
+    try:
+        os.replace(tmp, converted)
+    except OSError:  # another process converted it first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(os.path.join(converted, "config.json")):
+            raise
     return converted
+
+
+def check_bound_backend(model: nn.Module, backend: str) -> str:
+    """The Gated-DeltaNet implementation the loaded model really runs on ("fla"/"torch"), or
+    "none" for a model without linear attention. transformers falls back to torch silently when
+    fla fails to import; a run that asked for fla is refused instead of running slowly."""
+    mod = sys.modules.get(type(model).__module__)
+    if mod is None or mod.__name__ not in _GDN_MODULES:
+        return "none"
+    kind = linear_attn_kind(linear_attn_report(mod))
+    if kind != backend:
+        raise RuntimeError(f"target.linear_attn_backend={backend!r} but the Gated-DeltaNet ops are bound "
+                           f"to {kind}: {linear_attn_report(mod)} (fla failed to import, or the modeling "
+                           "module was imported before the backend was selected)")
+    return kind
 
 
 def default_layer_ids(num_target_layers: int, num_aux: int) -> list[int]:
@@ -289,6 +455,7 @@ def load_target(cfg: TargetConfig, layer_ids: Optional[Sequence[int]] = None, nu
     dtype = resolve_dtype(cfg.dtype, device)
     backend = select_linear_attn_backend(cfg.linear_attn_backend, device)
     model, tokenizer = load_hf_model(cfg, device, dtype)
+    backend = check_bound_backend(model, backend)
     num_layers = int(model.config.num_hidden_layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers, num_aux)
     mtid = mask_token_id if mask_token_id is not None else cfg.mask_token_id

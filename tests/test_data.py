@@ -1,0 +1,324 @@
+"""Data: built-in corpora, the held-out rule, resumable regeneration, chat templates, length
+filtering, packing (target per sample, drafter masks per segment), and the regen tool."""
+import ast
+import gzip
+import json
+import os
+import re
+import sysconfig
+from dataclasses import replace
+
+import pytest
+import torch
+
+from conftest import get_target
+from dflash.batch import Sample, collate, target_forward
+from dflash.blocks import block_attention_mask, candidate_anchors, sample_anchors
+from dflash.config import DataConfig, TargetConfig
+from dflash.corpora import (check_training_source, completion_prompt, humaneval_prompts, stdlib_corpus,
+                            stdlib_files, stdlib_prompts)
+from dflash.data import (build_samples, dataset_path, drop_long_prompts, encode_prompts, generate_greedy,
+                         load_or_build_dataset, random_prompts)
+
+
+# ----------------------------------------------------------------------------- stdlib corpus
+STDLIB_PART = os.path.join(sysconfig.get_paths()["stdlib"], "email")  # a quick-to-parse slice
+
+
+def test_stdlib_prompts_are_deterministic_valid_stubs():
+    a = stdlib_prompts(60, seed=3, root=STDLIB_PART)
+    assert a == stdlib_prompts(60, seed=3, root=STDLIB_PART)
+    assert len(a) == 60 and len(set(a)) == 60
+    assert set(a) != set(stdlib_prompts(60, seed=4, root=STDLIB_PART))
+    for p in a:
+        m = re.fullmatch(r"Complete the following Python code\.\n```python\n(.*)```", p, re.S)
+        assert m, p
+        tree = ast.parse(m.group(1))  # signature + docstring is valid Python
+        node = tree.body[0]
+        if isinstance(node, ast.ClassDef) and isinstance(node.body[-1], (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node = node.body[-1]  # a method under its class line
+        assert ast.get_docstring(node), p
+    whole = stdlib_corpus(STDLIB_PART)
+    assert len(stdlib_prompts(10**6, seed=0, root=STDLIB_PART)) == len(whole)  # all of it, no repeats
+    with pytest.raises(ValueError, match="num_samples"):
+        stdlib_prompts(0)
+
+
+def test_stdlib_corpus_is_the_whole_library():
+    items = stdlib_corpus()
+    assert len(items) > 5000
+    assert not any("site-packages" in f or "/test/" in f for f in stdlib_files())
+    assert stdlib_prompts(5, seed=1) == stdlib_prompts(5, seed=1)
+
+
+# ----------------------------------------------------------------------------- HumanEval (held out)
+def _fake_humaneval(path, rows):
+    with gzip.open(path, "wt") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_humaneval_prompts_from_file_and_default_location(tmp_path, monkeypatch):
+    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n",
+             "entry_point": f"f{i}"} for i in range(3)]
+    (tmp_path / "humaneval").mkdir()
+    _fake_humaneval(tmp_path / "humaneval" / "HumanEval.jsonl.gz", rows)
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path))
+    got = humaneval_prompts()
+    assert got == [completion_prompt(r["prompt"]) for r in rows]
+    assert humaneval_prompts(str(tmp_path / "humaneval" / "HumanEval.jsonl.gz"), raw=True)[1] == rows[1]["prompt"]
+    # the same format as the training corpus (pitfall 6)
+    assert got[0].split("\n")[0] == stdlib_prompts(1, seed=0)[0].split("\n")[0]
+
+
+def test_humaneval_missing_or_wrong_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"fetch_models.sh humaneval"):
+        humaneval_prompts()
+    bad = tmp_path / "train.jsonl.gz"
+    _fake_humaneval(bad, [{"prompt": "x"}])
+    with pytest.raises(ValueError, match="is not HumanEval"):
+        humaneval_prompts(str(bad))
+
+
+def test_humaneval_is_never_training_data(tmp_path):
+    with pytest.raises(ValueError, match="held out"):
+        check_training_source("humaneval")
+    with pytest.raises(ValueError, match="looks like HumanEval"):
+        check_training_source("jsonl", ["/data/HumanEval.jsonl.gz"])
+    with pytest.raises(ValueError, match="looks like HumanEval"):
+        check_training_source("jsonl", ["/data/human_eval_prompts.jsonl"])
+    check_training_source("stdlib")
+    check_training_source("jsonl", ["/data/sharegpt.jsonl"])
+    # refused before any target work or file access
+    with pytest.raises(ValueError, match="held out"):
+        load_or_build_dataset(DataConfig(source="humaneval"), TargetConfig(), target=None,
+                              cache_dir=str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- chat template
+class FakeTok:
+    def __init__(self, template="{{ messages }}{% if enable_thinking %}<think>{% endif %}"):
+        self.chat_template = template
+        self.calls = []
+
+    def apply_chat_template(self, msgs, **kw):
+        self.calls.append((msgs, kw))
+        return {"input_ids": [1, 2, len(msgs[0]["content"])]}
+
+    def __call__(self, text):
+        return {"input_ids": [9, len(text)]}
+
+
+def test_chat_template_applied_explicitly():
+    tok = FakeTok()
+    tc = TargetConfig(chat_template=True, enable_thinking=False)
+    assert encode_prompts(["abc", [{"role": "user", "content": "hello"}]], tok, tc) == [[1, 2, 3], [1, 2, 5]]
+    msgs, kw = tok.calls[0]
+    assert msgs == [{"role": "user", "content": "abc"}]
+    assert kw["add_generation_prompt"] is True and kw["enable_thinking"] is False and kw["tokenize"] is True
+    encode_prompts(["x"], tok, replace(tc, enable_thinking=True))
+    assert tok.calls[-1][1]["enable_thinking"] is True
+    assert encode_prompts(["abcd"], tok, replace(tc, chat_template=False)) == [[9, 4]]
+
+
+def test_chat_template_errors():
+    tc = TargetConfig(name="t", chat_template=True)
+    with pytest.raises(ValueError, match="has no chat template; set target.chat_template=false"):
+        encode_prompts(["x"], FakeTok(template=None), tc)
+    with pytest.raises(ValueError, match="no thinking switch; set target.enable_thinking=false"):
+        encode_prompts(["x"], FakeTok(template="{{ messages }}"), replace(tc, enable_thinking=True))
+    with pytest.raises(ValueError, match="no prompts"):
+        encode_prompts([], FakeTok(), tc)
+
+
+# ----------------------------------------------------------------------------- lengths, empty
+def test_too_long_rows_truncated_or_dropped_and_counted():
+    prompts = [[1, 2, 3], [1, 2, 3, 4, 5, 6], [1] * 9]
+    responses = [[7, 8], [7, 8, 9, 10], [7]]
+    s, st = build_samples(prompts, responses, max_length=8, too_long="truncate")
+    assert [x.input_ids.numel() for x in s] == [5, 8]
+    assert st["truncated"] == 2 and st["dropped"] == 1  # the third keeps no response token
+    assert s[1].loss_mask.tolist() == [False] * 6 + [True] * 2
+    s, st = build_samples(prompts, responses, max_length=8, too_long="drop")
+    assert [x.sample_id for x in s] == [0] and st["dropped"] == 2 and st["truncated"] == 0
+    kept, n = drop_long_prompts(prompts, 6)
+    assert kept == [[1, 2, 3]] and n == 2
+
+
+def test_empty_dataset_is_refused():
+    with pytest.raises(ValueError, match="dataset is empty"):
+        build_samples([[1] * 9], [[2]], max_length=4, too_long="drop")
+    with pytest.raises(ValueError, match="dataset is empty"):
+        build_samples([[1]], [[]], max_length=4, too_long="drop")
+
+
+def test_text_source_without_tokenizer_is_refused(tmp_path, tiny_llama):
+    tc = TargetConfig(name="tiny_llama")
+    with pytest.raises(ValueError, match="needs a target with a tokenizer"):
+        load_or_build_dataset(DataConfig(source="stdlib", num_samples=2), tc, tiny_llama, str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- resumable regeneration
+class Interrupt(Exception):
+    pass
+
+
+def _counting_generate(model, fail_after=None):
+    real, calls = type(model).generate.__get__(model), []
+
+    def gen(*a, **kw):
+        if fail_after is not None and len(calls) >= fail_after:
+            raise Interrupt()
+        calls.append(kw["input_ids"].shape[0])
+        return real(*a, **kw)
+    return gen, calls
+
+
+def test_interrupted_regeneration_resumes_to_the_same_result(tmp_path, tiny_llama, monkeypatch):
+    prompts = random_prompts(10, 6, tiny_llama.vocab_size, [tiny_llama.mask_token_id], seed=5)
+    prompts[3] = prompts[3][:3]  # mixed lengths: left padding inside a batch
+    kw = dict(max_new_tokens=5, batch_size=3)
+    ref = generate_greedy(tiny_llama, prompts, **kw)
+
+    partial = str(tmp_path / "x.pt.partial")
+    gen, calls = _counting_generate(tiny_llama.model, fail_after=2)
+    monkeypatch.setattr(tiny_llama.model, "generate", gen)
+    with pytest.raises(Interrupt):
+        generate_greedy(tiny_llama, prompts, partial_path=partial, **kw)
+    assert len(torch.load(partial)["responses"]) == 6
+
+    gen, calls = _counting_generate(tiny_llama.model)
+    monkeypatch.setattr(tiny_llama.model, "generate", gen)
+    logs = []
+    out = generate_greedy(tiny_llama, prompts, partial_path=partial, log=logs.append, **kw)
+    assert out == ref
+    assert calls == [3, 1]  # only the two remaining batches ran
+    assert any("resuming regeneration at 6" in m for m in logs)
+
+    # a partial file written for other prompts is ignored, not spliced in
+    logs.clear()
+    other = generate_greedy(tiny_llama, prompts[:4], partial_path=partial, log=logs.append, **kw)
+    assert other == ref[:4] and any("ignoring" in m for m in logs)
+
+
+def test_regenerated_dataset_is_cached_and_resumed(tmp_path, tiny_llama):
+    dc = DataConfig(source="selfgen", num_samples=6, prompt_len=4, response_len=4, max_length=16,
+                    regen_batch_size=4)
+    tc = TargetConfig(name="tiny_llama")
+    logs = []
+    a = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=logs.append)
+    path = dataset_path(dc, tc, str(tmp_path))
+    assert os.path.exists(path) and not os.path.exists(path + ".partial")
+    b = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=logs.append)
+    assert "from cache" in logs[-1]
+    assert all(torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask) for x, y in zip(a, b))
+    assert dataset_path(replace(dc, pack_to=64), tc, str(tmp_path)) == path  # packing: same data
+
+
+# ----------------------------------------------------------------------------- packing
+def _samples(target, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, target.vocab_size - 1, (n,), generator=g)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n // 3:] = True
+        out.append(Sample(100 + i, ids, mask))
+    return out
+
+
+def test_collate_packs_first_fit():
+    t = type("T", (), {"vocab_size": 50})()
+    b = collate(_samples(t, [10, 7, 5, 12, 3]), pad_id=0, pack_to=16)
+    # rows [10, 5], [7, 3], [12]: width = the fullest row
+    assert b.input_ids_NT.shape == (3, 15)
+    assert b.sample_ids.tolist() == [100, 102, 101, 104, 103]
+    assert b.segment_ids_NT[0].tolist() == [0] * 10 + [1] * 5
+    assert b.segment_ids_NT[1].tolist() == [2] * 7 + [3] * 3 + [-1] * 5
+    assert b.position_ids_NT[0, 10:15].tolist() == list(range(5))
+    assert b.row_seeds == [100, 101, 103]
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen3_5", "tiny_llama"])
+def test_packed_target_forward_equals_unpacked_per_sample(name):
+    target = get_target(name, num_aux=3)
+    samples = _samples(target, [11, 6, 9, 4, 13])
+    packed = target_forward(target, collate(samples, pad_id=0, pack_to=24))
+    assert packed.input_ids_NT.shape[0] < len(samples)
+    for s in samples:
+        alone = target.capture(s.input_ids[None])
+        r, c = (packed.segment_ids_NT >= 0).nonzero()[
+            (packed.sample_ids[packed.segment_ids_NT[packed.segment_ids_NT >= 0]] == s.sample_id)].unbind(-1)
+        assert r.unique().numel() == 1 and c.numel() == s.input_ids.numel()
+        torch.testing.assert_close(packed.aux_NTF[r, c], alone.aux_NTF[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(packed.next_token_NT[r, c], alone.next_token_NT[0])
+
+
+def test_drafter_masks_never_cross_segments():
+    t = type("T", (), {"vocab_size": 50})()
+    b = collate(_samples(t, [9, 7, 5, 12, 6, 4]), pad_id=0, pack_to=20)
+    cand = candidate_anchors(b.segment_ids_NT, b.loss_mask_NT)
+    anchors, valid = sample_anchors(cand, 64, b.row_seeds)
+    B = 4
+    for window, causal in ((None, False), (3, True)):
+        m = block_attention_mask(anchors, valid, b.position_ids_NT, b.segment_ids_NT, B,
+                                 causal_in_block=causal, window=window)[:, 0]
+        N, T = b.segment_ids_NT.shape
+        A = anchors.shape[1]
+        ctx = m[..., :T].reshape(N, A, B, T)
+        blk = m[..., T:].reshape(N, A, B, A, B)
+        seg_a = b.segment_ids_NT.gather(1, anchors)
+        j = torch.arange(T)
+        allowed = (b.segment_ids_NT[:, None, :] == seg_a[:, :, None]) & (j < anchors[:, :, None]) & valid[..., None]
+        assert not (ctx & ~allowed[:, :, None, :]).any()  # no other sample, nothing at/after the anchor
+        assert ctx.any()
+        eye = torch.eye(A, dtype=torch.bool)[None, :, None, :, None]
+        assert not (blk & ~eye).any()  # blocks never see each other
+        # anchors of one row that belong to different samples never share any key
+        assert (seg_a[valid].unique().numel() > 1)
+
+
+# ----------------------------------------------------------------------------- regen tool
+def test_regen_tool_writes_the_training_cache(tmp_path, capsys):
+    from dflash.tools import regen
+
+    args = ["--target", "tiny_llama", "--data", "selfgen", "--set", "num_samples=5", "response_len=4",
+            "max_length=32", "regen_batch_size=2"]
+    assert regen.main(args + ["--cache-dir", str(tmp_path), "--jsonl", str(tmp_path / "s.jsonl")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["samples"] == 5 and summary["response_tokens"] == 20
+    rows = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
+    assert len(rows) == 5 and len(rows[0]["response_ids"]) == 4
+    # a training run with the same settings and data.cache_dir finds it
+    from dflash.target import target_config_from_yaml
+    dc = DataConfig(source="selfgen", num_samples=5, response_len=4, max_length=32, regen_batch_size=2,
+                    prompt_len=16, seed=1234)
+    tc = target_config_from_yaml("tiny_llama")
+    assert summary["out"] == dataset_path(dc, tc, str(tmp_path))
+    logs = []
+    load_or_build_dataset(dc, tc, None, str(tmp_path), log=logs.append)
+    assert "from cache" in logs[-1]
+    assert regen.main(args + ["--out", str(tmp_path / "a.pt"), "--cache-dir", str(tmp_path)]) == 2
+    assert regen.main(["--target", "tiny_llama", "--data", "selfgen", "--set", "source=humaneval",
+                       "--out", str(tmp_path / "h.pt")]) == 2
+    assert "held out" in capsys.readouterr().err
+
+
+def test_jsonl_prompts_and_empty_files(tmp_path):
+    from dflash.data import text_prompts
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n{"prompt": "c"}\n')
+    assert text_prompts(DataConfig(source="jsonl", paths=[str(good)], num_samples=2)) == [
+        "a", [{"role": "user", "content": "b"}]]
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="hold no rows"):
+        text_prompts(DataConfig(source="jsonl", paths=[str(empty)]))
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match=r"b.jsonl:1: rows need a 'prompt' or 'messages' field"):
+        text_prompts(DataConfig(source="jsonl", paths=[str(bad)]))
+    with pytest.raises(FileNotFoundError, match="not found"):
+        text_prompts(DataConfig(source="jsonl", paths=[str(tmp_path / "none.jsonl")]))
