@@ -87,6 +87,9 @@ class DataConfig:
     regen_temperature: float = 0.0
     seed: int = 1234
     cache_dir: Optional[str] = None  # default: <run_dir>/data
+    # Pack samples first-fit into rows of this many tokens (None: one sample per row, padded).
+    # The target still runs each sample alone; the drafter's masks keep samples apart.
+    pack_to: Optional[int] = None
 
 
 @dataclass
@@ -139,12 +142,16 @@ class LoggerConfig:
 
 @dataclass
 class TopologyConfig:
+    """Process layout of a torch.distributed job (see docs/pipeline.md)."""
     mode: str = "colocated"  # colocated | split
     num_target_ranks: int = 0  # split: first T ranks run the target, the rest train
-    window: int = 2  # batches in flight per worker->trainer link (backpressure)
-    timeout_s: float = 600.0  # a silent peer for this long stops the run
+    window: int = 2  # batches in flight per worker->trainer link (backpressure); also the trainer's prefetch depth
+    timeout_s: float = 600.0  # a silent peer for this long stops the run (must exceed eval/checkpoint pauses)
     on_bad_batch: str = "skip"  # skip | stop  (NaN/inf aux states)
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    # Startup (target load, data regeneration/reading on rank 0, checkpoint load) may take this long
+    # before the ranks meet; a rank that never arrives is named.
+    startup_timeout_s: float = 3600.0
 
 
 @dataclass
@@ -197,6 +204,9 @@ class RunConfig:
             raise ValueError(f"drafter.block_size must be >= 2, got {d.block_size}")
         if d.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {d.num_layers}")
+        if d.layer_types and "sliding_attention" in d.layer_types and d.sliding_window < d.block_size:
+            raise ValueError(f"drafter.sliding_window={d.sliding_window} is smaller than drafter.block_size="
+                             f"{d.block_size}; a sliding layer must see its whole block prefix")
         if d.layer_types is not None:
             if len(d.layer_types) != d.num_layers:
                 raise ValueError(
@@ -207,6 +217,10 @@ class RunConfig:
         for key in ("steps", "micro_batch_size", "grad_accum", "max_anchors"):
             if getattr(self.train, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self.train, key)}")
+        if self.data.pack_to is not None and self.data.pack_to < self.data.max_length:
+            raise ValueError(f"data.pack_to={self.data.pack_to} is shorter than data.max_length="
+                             f"{self.data.max_length}: a full-length sample would not fit in a row; "
+                             "set data.pack_to >= data.max_length or null (no packing)")
         if self.topology.window < 1:
             raise ValueError(f"topology.window must be >= 1, got {self.topology.window}")
         return self

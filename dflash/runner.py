@@ -3,15 +3,17 @@ loop { step; maybe log; maybe eval; maybe save }."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import sys
 import time
 from typing import Optional
 
 import torch
 from tqdm.auto import tqdm
 
-from .batch import collate, target_forward
+from .batch import TargetBatch, collate, target_forward
 from .checkpoint import latest_run_checkpoint, load_checkpoint, load_drafter, save_checkpoint
 from .config import RunConfig
 from .data import SampleStream, load_or_build_dataset
@@ -21,8 +23,11 @@ from .target import Target, linear_attn_report, load_target
 from .trainer import DrafterTrainer, Heads, resolve_spec
 
 
-def build_target(cfg: RunConfig) -> Target:
-    return load_target(cfg.target, cfg.drafter.target_layer_ids, cfg.drafter.num_aux_layers,
+def build_target(cfg: RunConfig, device: Optional[torch.device] = None) -> Target:
+    """`device` (multi-process runs: this rank's device) overrides target.device for loading only;
+    cfg itself is unchanged, so cache keys derived from it agree across ranks."""
+    tcfg = cfg.target if device is None else dataclasses.replace(cfg.target, device=str(device))
+    return load_target(tcfg, cfg.drafter.target_layer_ids, cfg.drafter.num_aux_layers,
                        cfg.drafter.mask_token_id)
 
 
@@ -44,6 +49,60 @@ def build_drafter(cfg: RunConfig, target: Target) -> DFlashDrafter:
     return drafter
 
 
+def make_batch(target: Target, samples: list, idx: list[int], cfg: RunConfig) -> TargetBatch:
+    """The clean target forward over samples[idx]: the same in colocated and split mode."""
+    batch = collate([samples[i] for i in idx], pad_id=target.mask_token_id,
+                    pack_to=getattr(cfg.data, "pack_to", None)).to(target.device)
+    return target_forward(target, batch, with_final_hidden=cfg.train.loss == "soft_kl")
+
+
+class BadBatchError(ValueError):
+    pass
+
+
+def screen_batch(tb: TargetBatch, on_bad: str, origin: str = "") -> tuple[TargetBatch, list[int]]:
+    """Non-finite aux (or final hidden) states: report the sample ids, then either stop
+    (BadBatchError) or skip those samples. Skipping zeroes their aux states and loss mask
+    instead of dropping rows, so every rank still runs the same forward/backward (DDP) and the
+    other samples of the batch train unchanged (segments never attend to each other)."""
+    bad_NT = ~torch.isfinite(tb.aux_NTF).all(-1)
+    if tb.final_hidden_NTH is not None:
+        bad_NT |= ~torch.isfinite(tb.final_hidden_NTH).all(-1)
+    bad_NT &= tb.segment_ids_NT >= 0
+    if not bool(bad_NT.any()):
+        return tb, []
+    segs = tb.segment_ids_NT[bad_NT].unique()
+    ids = [int(i) for i in tb.sample_ids.to(segs.device)[segs].tolist()]
+    where = f" ({origin})" if origin else ""
+    if on_bad == "stop":
+        raise BadBatchError(f"non-finite target aux states in samples {ids}{where}; "
+                            "topology.on_bad_batch=stop (set it to skip to train on without them)")
+    drop_NT = torch.isin(tb.segment_ids_NT, segs)
+    aux = tb.aux_NTF.masked_fill(drop_NT[..., None], 0)
+    fh = tb.final_hidden_NTH
+    if fh is not None:
+        fh = fh.masked_fill(drop_NT[..., None], 0)
+    print(f"warning: skipped samples {ids}{where}: non-finite target aux states "
+          "(topology.on_bad_batch=skip)", file=sys.stderr, flush=True)
+    return dataclasses.replace(tb, aux_NTF=aux, final_hidden_NTH=fh,
+                               loss_mask_NT=tb.loss_mask_NT & ~drop_NT), ids
+
+
+def samples_digest(samples: list) -> str:
+    """Cheap identity of a dataset (ids, lengths, token sums) to check ranks agree on it."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(f"{s.sample_id},{s.input_ids.numel()},{int(s.input_ids.sum())},{int(s.loss_mask.sum())};".encode())
+    return h.hexdigest()[:16]
+
+
+def check_same_samples(samples: list, digest: str, rank: int) -> None:
+    if samples_digest(samples) != digest:
+        raise ValueError(f"rank {rank} read a different dataset than rank 0 (digest "
+                         f"{samples_digest(samples)} vs {digest}): every rank must see the same "
+                         "data.cache_dir (a shared filesystem, or copy the cache to every node)")
+
+
 class LocalBatchSource:
     """Colocated mode: this process runs the target on its share of the sample stream."""
 
@@ -51,14 +110,16 @@ class LocalBatchSource:
         self.target, self.samples, self.cfg = target, samples, cfg
         self.stream = SampleStream(len(samples), cfg.data.seed)
         self.dp_rank, self.dp_world = dp_rank, dp_world
-        self.pad_id = target.mask_token_id
+        self.bad_samples: list[int] = []
 
     def next_batches(self) -> list:
         mb, out = self.cfg.train.micro_batch_size, []
         for _ in range(self.cfg.train.grad_accum):
             idx = self.stream.take(mb * self.dp_world)[self.dp_rank * mb:(self.dp_rank + 1) * mb]
-            batch = collate([self.samples[i] for i in idx], pad_id=self.pad_id).to(self.target.device)
-            out.append(target_forward(self.target, batch, with_final_hidden=self.cfg.train.loss == "soft_kl"))
+            tb, bad = screen_batch(make_batch(self.target, self.samples, idx, self.cfg),
+                                   self.cfg.topology.on_bad_batch)
+            self.bad_samples += bad
+            out.append(tb)
         return out
 
     def state_dict(self) -> dict:
@@ -77,14 +138,37 @@ def resume_path(cfg: RunConfig, run_dir: str) -> Optional[str]:
     return str(r)
 
 
+def dataset_for_rank(cfg: RunConfig, target: Target, run_dir: str, log, ctx=None) -> list:
+    """Rank 0 loads or regenerates the data; the other ranks read rank 0's cache afterwards and
+    check they got the same samples."""
+    cache = cfg.data.cache_dir or os.path.join(run_dir, "data")
+    if ctx is None or ctx.world == 1:
+        return load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log)
+    if ctx.rank == 0:
+        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log)
+        ctx.broadcast_object(samples_digest(samples), src=0)
+        return samples
+    digest = ctx.broadcast_object(None, src=0)
+    samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=lambda *_: None)
+    check_same_samples(samples, digest, ctx.rank)
+    return samples
+
+
 def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None,
-                 stop_at: Optional[int] = None) -> dict:
-    """stop_at: end after that step as if interrupted (tests of resume)."""
+                 stop_at: Optional[int] = None, ctx=None) -> dict:
+    """Colocated training. stop_at: end after that step as if interrupted (tests of resume).
+    ctx (a dflash.dist.RankContext) makes it data-parallel over all ranks of a torch.distributed
+    job: each rank runs target + drafter on its device and its slice of every micro-batch; rank 0
+    writes metrics, evaluations and checkpoints."""
+    writer = ctx is None or ctx.rank == 0
     os.makedirs(run_dir, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
-    target = build_target(cfg)
+    target = build_target(cfg, ctx.device if ctx is not None else None)
     drafter = build_drafter(cfg, target)
-    logger = logger or make_logger(cfg.logger, run_dir, os.path.basename(run_dir), dataclasses.asdict(cfg))
+    logger = logger or make_logger(cfg.logger, run_dir, os.path.basename(run_dir), dataclasses.asdict(cfg),
+                                   rank0=writer)
+    if ctx is not None:
+        logger.info(f"topology: colocated, {ctx.world} ranks (data parallel), backend {ctx.backend}")
     logger.info(f"run dir: {run_dir}")
     logger.info(f"target: {cfg.target.name} | {target.num_layers} layers, H={target.hidden_size}, "
                 f"V={target.vocab_size}, {target.dtype}, {target.device}, linear-attn backend: {target.backend}")
@@ -94,29 +178,40 @@ def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None,
     logger.info(f"drafter: {num_params(drafter) / 1e6:.2f}M params, {drafter.spec.num_hidden_layers} layers "
                 f"{drafter.spec.layer_types}, block {drafter.spec.block_size}, aux layers "
                 f"{drafter.spec.target_layer_ids}, mask token {drafter.spec.mask_token_id}, loss {cfg.train.loss}")
-    samples = load_or_build_dataset(cfg.data, cfg.target, target, cfg.data.cache_dir or os.path.join(run_dir, "data"),
-                                    log=logger.info)
+    samples = dataset_for_rank(cfg, target, run_dir, logger.info, ctx)
     evaluator = None
-    if cfg.eval.enabled:
+    if cfg.eval.enabled and writer:
         from .evaluation import Evaluator
         evaluator = Evaluator.from_config(cfg, target, cache_dir=cfg.data.cache_dir or os.path.join(run_dir, "data"),
                                           log=logger.info)
-    trainer = DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), cfg.train, target.device)
-    source = LocalBatchSource(target, samples, cfg)
+    multi = ctx is not None and ctx.world > 1
+    trainer = DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), cfg.train, target.device,
+                             dp_group=ctx.world_group if multi else None)
+    source = LocalBatchSource(target, samples, cfg, ctx.rank if multi else 0, ctx.world if multi else 1)
     ckpt = resume_path(cfg, run_dir)
+    if multi:
+        ckpt = ctx.broadcast_object(ckpt, src=0)  # resume=true must pick the same one everywhere
     if ckpt:
         state = load_checkpoint(ckpt, drafter)
         trainer.load_state_dict(state["trainer"])
         source.load_state_dict(state["source"])
         logger.info(f"resumed from {state['path']} at step {trainer.step} "
                     f"(sample position {source.stream.position})")
+    if writer:
+        write_run_config(cfg, run_dir)
+    return train_loop(cfg, trainer, source, evaluator, logger, run_dir, stop_at, writer=writer)
+
+
+def write_run_config(cfg: RunConfig, run_dir: str) -> None:
     with open(os.path.join(run_dir, "run_config.json"), "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
-    return train_loop(cfg, trainer, source, evaluator, logger, run_dir, stop_at)
 
 
 def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logger: Logger, run_dir: str,
-               stop_at: Optional[int] = None) -> dict:
+               stop_at: Optional[int] = None, writer: bool = True) -> dict:
+    """`source.next_batches()` gives this rank's micro-batches of the next step; a source with
+    `metrics()` (the split pipeline) adds its pipe/* figures at log steps (a collective over the
+    trainers, so every trainer calls it at the same steps). Only the writer rank saves."""
     tc = cfg.train
     last: dict = {}
     first_eval = None
@@ -124,7 +219,7 @@ def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logge
         first_eval = evaluator.run(trainer.drafter, trainer.heads)
         logger.log(first_eval, step=0)
     bar = tqdm(total=tc.steps, initial=trainer.step, desc="train", unit="step", dynamic_ncols=True,
-               disable=os.environ.get("DFLASH_NO_PROGRESS") == "1")
+               disable=os.environ.get("DFLASH_NO_PROGRESS") == "1" or not writer)
     while trainer.step < tc.steps:
         t0 = time.perf_counter()
         batches = source.next_batches()
@@ -135,16 +230,22 @@ def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logge
         metrics.update({"perf/target_s": t1 - t0, "perf/drafter_s": t2 - t1,
                         "perf/tokens_per_s": metrics["train/tokens"] / max(t2 - t0, 1e-9),
                         "data/epoch": source.stream.epoch if hasattr(source, "stream") else 0.0})
+        if not hasattr(source, "metrics"):
+            # colocated: target vs drafter time per step = target GPUs per drafter GPU in split mode
+            metrics["pipe/suggested_workers_per_trainer"] = (t1 - t0) / max(t2 - t1, 1e-9)
+            metrics["pipe/bad_samples"] = float(len(getattr(source, "bad_samples", [])))
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc']:.3f}")
         if step % tc.log_every == 0 or step == tc.steps:
+            if hasattr(source, "metrics"):
+                metrics.update(source.metrics())
             logger.log(metrics, step)
         last.update(metrics)
         if evaluator is not None and (step % tc.eval_every == 0 or step == tc.steps):
             ev = evaluator.run(trainer.drafter, trainer.heads)
             logger.log(ev, step)
             last.update(ev)
-        if step % tc.save_every == 0 or step == tc.steps:
+        if writer and (step % tc.save_every == 0 or step == tc.steps):
             path = save_checkpoint(run_dir, step, trainer.drafter, trainer.state_dict(), tc.keep_last,
                                    extra={"source": source.state_dict()})
             last["checkpoint"] = path

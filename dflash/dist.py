@@ -1,0 +1,264 @@
+"""Process plumbing for multi-process runs: the rank context from the launcher's environment,
+process groups, point-to-point tensor messages with deadlines, and a local launcher.
+
+Nothing here knows about models or batches: a message is (meta: list[int], tensors). It goes
+as a fixed-size int64 header (meta, then dtype and shape of each tensor) followed by one
+message per tensor, on the default process group (NCCL on GPU, gloo on CPU).
+
+Waiting is always bounded. gloo's `Work.is_completed()` does not progress until `wait()` is
+called, so gloo waits use `wait(timeout)` (a dead peer fails at once with "Connection closed
+by peer"); NCCL never notices a dead peer, so NCCL waits poll `is_completed()` against a
+deadline. Either way a silent or dead peer becomes a PeerError that names it.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, NoReturn, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+HEADER_LEN = 96
+_MAGIC = 0xDF1A54
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+           torch.bool, torch.uint8)
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+class PeerError(RuntimeError):
+    """A peer rank died, stayed silent past the deadline, or sent something malformed."""
+
+
+def die(msg: str, code: int) -> NoReturn:
+    """Print and leave now. os._exit skips atexit / process-group teardown, which can block
+    forever on a pending receive from a dead peer."""
+    print(msg, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+# ----------------------------------------------------------------------------- rank context
+@dataclass
+class RankContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    timeout_s: float
+    startup_timeout_s: float
+    ctrl: Any = None  # gloo group over all ranks: startup barriers and small object broadcasts
+
+    @property
+    def world_group(self):
+        return dist.group.WORLD
+
+    def barrier(self) -> None:
+        """monitored_barrier names the ranks that did not arrive (gloo only: ctrl is gloo)."""
+        dist.monitored_barrier(group=self.ctrl, timeout=datetime.timedelta(seconds=self.startup_timeout_s),
+                               wait_all_ranks=True)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.ctrl)
+        return box[0]
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun / accelerate launch / launch_local set them."""
+    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+            int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"topology.backend={backend!r} is not allowed; choose one of {list(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("topology.backend=nccl needs CUDA devices; use topology.backend=gloo on CPU")
+    return backend
+
+
+def init_distributed(backend: str, timeout_s: float, startup_timeout_s: float) -> RankContext:
+    """One process group for the job (NCCL: device cuda:LOCAL_RANK; gloo: CPU) plus a gloo
+    control group. The default group's timeout sits above timeout_s so that our own deadlines,
+    which name the peer, fire before the library's watchdog."""
+    rank, world, local_rank = launcher_env()
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s * 1.5 + 30))
+    ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
+    return RankContext(rank, world, local_rank, device, backend, float(timeout_s), float(startup_timeout_s), ctrl)
+
+
+def new_group(ranks: Sequence[int]):
+    """Collective over the whole job: every rank must call it, in the same order."""
+    return dist.new_group(ranks=list(ranks))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- bounded waits
+def wait_for(work, deadline: float, backend: str, peer: str, doing: str, timeout_s: float) -> None:
+    """Wait for one isend/irecv until `deadline` (time.monotonic()); PeerError names `peer`."""
+    try:
+        if backend == "gloo":
+            left = max(deadline - time.monotonic(), 1e-3)
+            work.wait(datetime.timedelta(seconds=left))
+            return
+        delay = 5e-5
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+        work.wait()
+    except TimeoutError:
+        raise PeerError(f"{peer} did not {doing} within {timeout_s:g} s (topology.timeout_s): "
+                        "it died or hangs") from None
+    except RuntimeError as e:
+        text = str(e)
+        if "Timed out" in text or "timed out" in text:
+            raise PeerError(f"{peer} did not {doing} within {timeout_s:g} s (topology.timeout_s): "
+                            "it died or hangs") from None
+        detail = text.splitlines()[0].split(". This is typically")[0][:200] if text else type(e).__name__
+        raise PeerError(f"{peer} is gone while waiting to {doing} ({detail})") from None
+
+
+# ----------------------------------------------------------------------------- messages
+def encode_header(meta: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[int]:
+    vals = [_MAGIC, len(meta), len(tensors), *[int(m) for m in meta]]
+    for t in tensors:
+        vals += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    if len(vals) > HEADER_LEN:
+        raise AssertionError(f"message header needs {len(vals)} > {HEADER_LEN} slots")
+    return vals + [0] * (HEADER_LEN - len(vals))
+
+
+def decode_header(vals: Sequence[int]) -> tuple[list[int], list[tuple[torch.dtype, tuple]]]:
+    if vals[0] != _MAGIC:
+        raise PeerError(f"malformed message header (magic {vals[0]:#x}); are all ranks running the "
+                        "same dflash version?")
+    n_meta, n_t = vals[1], vals[2]
+    meta = list(vals[3:3 + n_meta])
+    i, specs = 3 + n_meta, []
+    for _ in range(n_t):
+        dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
+        specs.append((dtype, tuple(vals[i + 2:i + 2 + ndim])))
+        i += 2 + ndim
+    return meta, specs
+
+
+class Outbox:
+    """Sender side of one link: isend, at most `window` messages in flight (backpressure: the
+    next send first waits for the oldest). In-flight tensors stay referenced here until their
+    send completes, so the caller's next forward overlaps the transfer."""
+
+    def __init__(self, dst: int, peer: str, window: int, timeout_s: float, backend: str,
+                 device: torch.device):
+        self.dst, self.peer, self.window = dst, peer, window
+        self.timeout_s, self.backend, self.device = timeout_s, backend, device
+        self.inflight: deque = deque()
+
+    def send(self, meta: Sequence[int], tensors: Sequence[torch.Tensor], label: str) -> float:
+        """Returns the seconds spent waiting for room in the window."""
+        t0 = time.perf_counter()
+        while len(self.inflight) >= self.window:
+            self._retire_oldest()
+        waited = time.perf_counter() - t0
+        tensors = [t.contiguous() for t in tensors]
+        header = torch.tensor(encode_header(meta, tensors), dtype=torch.int64, device=self.device)
+        works = [dist.isend(header, self.dst)] + [dist.isend(t, self.dst) for t in tensors]
+        self.inflight.append((label, works, [header, *tensors]))
+        return waited
+
+    def _retire_oldest(self) -> None:
+        label, works, _ = self.inflight[0]
+        deadline = time.monotonic() + self.timeout_s
+        for w in works:
+            wait_for(w, deadline, self.backend, self.peer, f"accept {label}", self.timeout_s)
+        self.inflight.popleft()
+
+    def flush(self) -> None:
+        while self.inflight:
+            self._retire_oldest()
+
+
+def recv_message(src: int, peer: str, device: torch.device, backend: str, timeout_s: float,
+                 label: str) -> tuple[list[int], list[torch.Tensor]]:
+    """Receive one message from `src` (messages of one link arrive in send order)."""
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    wait_for(dist.irecv(header, src), time.monotonic() + timeout_s, backend, peer, f"send {label}",
+             timeout_s)
+    meta, specs = decode_header(header.tolist())
+    tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
+    works = [dist.irecv(t, src) for t in tensors]
+    deadline = time.monotonic() + timeout_s
+    for w in works:
+        wait_for(w, deadline, backend, peer, f"send {label}", timeout_s)
+    return meta, tensors
+
+
+# ----------------------------------------------------------------------------- local launcher
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(argv: Sequence[str], nproc: int, env: Optional[dict] = None, cwd: Optional[str] = None,
+                 log_dir: Optional[str] = None, run_id: Optional[str] = None) -> list[subprocess.Popen]:
+    """Start `nproc` copies of `argv` with the environment torchrun would give them (one node,
+    TCP rendezvous on 127.0.0.1). Tests and benchmarks use it to control the processes
+    directly (torchrun would tear the job down on the first failure before we can observe it).
+    Output of rank r goes to log_dir/rank{r}.{out,err} when log_dir is given."""
+    port = free_port()
+    procs = []
+    for r in range(nproc):
+        e = dict(os.environ, **(env or {}))
+        e.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
+                 GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if run_id:
+            e["DFLASH_RUN_ID"] = run_id
+        out = err = None
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            out = open(os.path.join(log_dir, f"rank{r}.out"), "w")
+            err = open(os.path.join(log_dir, f"rank{r}.err"), "w")
+        procs.append(subprocess.Popen(list(argv), env=e, cwd=cwd, stdout=out, stderr=err))
+    return procs
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[Optional[int]]:
+    """Exit codes (None = still running at the deadline; those are killed)."""
+    deadline = time.monotonic() + timeout_s
+    codes: list[Optional[int]] = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.01)))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    for p, c in zip(procs, codes):
+        if c is None:
+            p.kill()
+            p.wait()
+    return codes
