@@ -9,6 +9,7 @@ from .checkpoint import load_drafter
 from .config import RunConfig, TargetConfig
 from .evaluation import build_eval_set, evaluate
 from .report import print_report, write_json
+from .target import load_target
 from .trainer import Heads
 
 
@@ -55,23 +56,13 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
 
 
 def _target_for(rc: RunConfig, spec):
-    """Load the target with the checkpoint's layer ids, refusing mismatches with one clear line."""
-    from .target import check_layer_ids, load_hf_model, resolve_device, resolve_dtype, select_linear_attn_backend
-    from .target import Target
-
-    device = resolve_device(rc.target.device)
-    backend = select_linear_attn_backend(rc.target.linear_attn_backend, device)
-    model, tok = load_hf_model(rc.target, device, resolve_dtype(rc.target.dtype, device))
-    L, H = int(model.config.num_hidden_layers), int(model.config.hidden_size)
-    V = int(model.get_output_embeddings().weight.shape[0])
-    if spec.hidden_size != H:
-        raise ValueError(f"drafter hidden size {spec.hidden_size} != target hidden size {H} "
+    """Load the target with the checkpoint's layer ids and mask token, refusing mismatches."""
+    target = load_target(rc.target, layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id)
+    if spec.hidden_size != target.hidden_size:
+        raise ValueError(f"drafter hidden size {spec.hidden_size} != target hidden size {target.hidden_size} "
                          f"(target={rc.target.name}); evaluate with the target it was trained for")
-    if spec.vocab_size != V:
-        raise ValueError(f"drafter vocab {spec.vocab_size} != target vocab {V} (target={rc.target.name})")
-    bad = [i for i in spec.target_layer_ids if i >= L - 1]
-    if bad:
-        raise ValueError(f"checkpoint target_layer_ids {spec.target_layer_ids} include {bad}, beyond or at "
-                         f"the final layer of a {L}-layer target (target={rc.target.name})")
-    check_layer_ids(spec.target_layer_ids, L)
-    return Target(model, spec.target_layer_ids, tok, spec.mask_token_id, backend)
+    if spec.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter vocab {spec.vocab_size} != target vocab {target.vocab_size} "
+                         f"(target={rc.target.name})")
+    print(f"target: {rc.target.name}, {target.num_layers} layers, Gated-DeltaNet backend: {target.backend}")
+    return target

@@ -56,7 +56,9 @@ def eval_prompts(cfg, target) -> list[list[int]]:
     if target.tokenizer is None:
         raise ValueError(f"eval source {source!r} needs a target with a tokenizer")
     from dataclasses import replace
-    ed = replace(dcfg, source=source, paths=list(ecfg.paths) or list(dcfg.paths),
+    # Training files are reused for eval only when eval reads the same kind of source.
+    paths = list(ecfg.paths) or (list(dcfg.paths) if source == dcfg.source else [])
+    ed = replace(dcfg, source=source, paths=paths,
                  num_samples=ecfg.num_prompts, seed=ecfg.seed)
     return encode_prompts(text_prompts(ed)[: ecfg.num_prompts], target.tokenizer, cfg.target)
 
