@@ -6,11 +6,10 @@ needs per batch), tokens/s and TFLOP/s against an in-process bf16 matmul peak.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from common import load_target_yaml, matmul_peak_tflops, timed
+from common import report, load_target_yaml, matmul_peak_tflops, timed
 
 
 def forward_flops_per_token(cfg, seq: int) -> float:
@@ -64,11 +63,7 @@ def main() -> None:
            "matmul_peak_tflops": peak, "fraction_of_peak": tflops / peak,
            "floor_tokens_per_s_at_peak": peak * 1e12 / fpt,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
-    for k, v in res.items():
-        print(f"{k:>28}: {v:.4g}" if isinstance(v, float) else f"{k:>28}: {v}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    report(res, args.out)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,10 @@ model needed): tokens/s and anchors/s of DrafterTrainer.train_step, peak memory.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
-from common import matmul_peak_tflops, timed
+from common import report, matmul_peak_tflops, timed
 
 SHAPES = {  # hidden, vocab, target layers, drafter yaml name
     "qwen3_6_27b": (5120, 248320, 64, "qwen3_6_27b"),
@@ -64,11 +63,7 @@ def main() -> None:
            "batch": N, "block_size": spec.block_size, "s_per_step": s, "tokens_per_s": N * T / s,
            "anchors_per_s": N * args.anchors / s, "matmul_peak_tflops": peak,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
-    for k, v in res.items():
-        print(f"{k:>20}: {v:.4g}" if isinstance(v, float) else f"{k:>20}: {v}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    report(res, args.out)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,14 @@ def load_target_yaml(name: str):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     raw = OmegaConf.to_container(OmegaConf.load(os.path.join(root, "conf", "target", f"{name}.yaml")), resolve=True)
     return TargetConfig(**raw)
+
+
+def report(res: dict, out=None) -> None:
+    """Print the figures one per line and optionally write them as JSON."""
+    import json
+    w = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:>{w}}: {v:.4g}" if isinstance(v, float) else f"{k:>{w}}: {v}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=2)
