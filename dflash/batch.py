@@ -134,6 +134,6 @@ def add_input_noise(batch: TargetBatch, std: float, generator: Optional[torch.Ge
         return batch
     aux = batch.aux_NTF
     rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()
-    noise = torch.randn(aux.shape, generator=generator, device="cpu").to(aux.device)
+    noise = torch.randn(aux.shape, generator=generator, device=generator.device if generator else aux.device)
     noisy = (aux.float() + std * rms * noise).to(aux.dtype)
     return replace(batch, aux_NTF=noisy, noised=True)

@@ -26,15 +26,15 @@ class Blocks:
 
 
 def candidate_anchors(segment_ids_NT: torch.Tensor, loss_mask_NT: torch.Tensor) -> torch.Tensor:
-    """bool [N, T]: a may anchor a block if a+1 is a response token of the same sample and a has
-    at least one earlier position of its sample as context."""
+    """bool [N, T]: a may anchor a block if a and a+1 are response tokens of the same sample (at
+    inference the anchor is always a generated token: the bonus) and a has context before it."""
     N, T = segment_ids_NT.shape
     ok = torch.zeros(N, T, dtype=torch.bool, device=segment_ids_NT.device)
     if T < 3:
         return ok
     seg = segment_ids_NT
     same_next = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] >= 0)
-    ok[:, :-1] = same_next & loss_mask_NT[:, 1:].bool()
+    ok[:, :-1] = same_next & loss_mask_NT[:, 1:].bool() & loss_mask_NT[:, :-1].bool()
     ok[:, 0] = False
     ok[:, 1:] &= seg[:, 1:] == seg[:, :-1]
     return ok

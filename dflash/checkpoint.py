@@ -28,7 +28,7 @@ def save_drafter(path: str, drafter: DFlashDrafter, dtype: torch.dtype = torch.b
     """config.json + model.safetensors with exactly the drafter's weights (reference names)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(drafter.spec.to_hf_config(), f, indent=2)
+        json.dump(drafter.spec.to_hf_config(str(dtype).removeprefix("torch.")), f, indent=2)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
@@ -107,12 +107,17 @@ def save_checkpoint(run_dir: str, step: int, drafter: DFlashDrafter, train_state
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".{name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(tmp, drafter, dtype=torch.float32)
-    torch.save({"trainer": train_state, "rng": _rng_state(), "step": step, **(extra or {})},
-               os.path.join(tmp, STATE_FILE))
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    save_drafter(tmp, drafter)  # bf16 serving weights; fp32 master weights go with the resume state
+    master = {k: v.detach().to("cpu", torch.float32).clone() for k, v in drafter.state_dict().items()}
+    torch.save({"trainer": train_state, "rng": _rng_state(), "step": step, "drafter_fp32": master,
+                **(extra or {})}, os.path.join(tmp, STATE_FILE))
+    if os.path.exists(final):  # move the old one aside first: `final` is never half-written
+        old = os.path.join(root, f".{name}.old{os.getpid()}")
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     latest_tmp = os.path.join(root, f".latest.tmp{os.getpid()}")
     with open(latest_tmp, "w") as f:
         f.write(name + "\n")
@@ -134,13 +139,18 @@ def find_checkpoint(path: str) -> str:
                 cand = os.path.join(root, f.read().strip())
             if os.path.isfile(os.path.join(cand, STATE_FILE)):
                 return cand
+    for root in (os.path.join(path, "checkpoints"), path):  # `latest` lost: newest complete step dir
+        steps = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith("step_")
+                       and os.path.isfile(os.path.join(root, d, STATE_FILE)))
+        if steps:
+            return os.path.join(root, steps[-1])
     raise FileNotFoundError(f"no resumable checkpoint under {path!r} (expected a step_* directory "
                             f"with {STATE_FILE}, or a run directory with checkpoints/latest)")
 
 
 def latest_run_checkpoint(out_root: str, exp_name: str, exclude: str) -> str:
     """resume=true: the newest checkpoint of a previous run of this experiment."""
-    runs = [d for d in glob.glob(os.path.join(out_root, f"{exp_name}*"))
+    runs = [d for d in glob.glob(os.path.join(out_root, f"{exp_name}-*"))
             if os.path.abspath(d) != os.path.abspath(exclude)]
     found = []
     for d in runs:
@@ -150,7 +160,7 @@ def latest_run_checkpoint(out_root: str, exp_name: str, exclude: str) -> str:
         except FileNotFoundError:
             continue
     if not found:
-        raise FileNotFoundError(f"resume=true but no checkpoint of a run named {exp_name}* under "
+        raise FileNotFoundError(f"resume=true but no checkpoint of a run named {exp_name}-* under "
                                 f"{out_root!r}; pass resume=/path/to/run_or_step_dir")
     return max(found)[1]
 
@@ -160,8 +170,8 @@ def load_checkpoint(path: str, drafter: DFlashDrafter) -> dict:
     loaded, report = load_drafter(ck)
     if loaded.spec.as_dict() != drafter.spec.as_dict():
         raise ValueError(f"resume: drafter config in {ck} differs from this run's drafter config")
-    drafter.load_state_dict(loaded.state_dict())
     state = torch.load(os.path.join(ck, STATE_FILE), weights_only=False)
+    drafter.load_state_dict(state.get("drafter_fp32") or loaded.state_dict())
     _set_rng_state(state["rng"])
     state["path"] = ck
     return state

@@ -109,13 +109,12 @@ class TrainConfig:
     gamma: Optional[float] = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
     noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
-    lm_head_chunk: int = 4096  # positions per chunk of the (checkpointed) lm_head + CE
+    lm_head_chunk: int = 2048  # positions per chunk of the (checkpointed) lm_head + CE
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100
     save_every: int = 100
     keep_last: int = 2
-    device: str = "auto"
 
 
 @dataclass
@@ -126,7 +125,7 @@ class EvalConfig:
     budgets: List[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
     batch_size: int = 4
     seed: int = 4321
-    source: Optional[str] = None  # None: same source as training data with a disjoint seed
+    source: Optional[str] = None  # None: the training source, rows training does not use
     paths: List[str] = field(default_factory=list)
     show_rounds: int = 2  # rounds printed per prompt in the table
 
@@ -214,7 +213,18 @@ class RunConfig:
                     f"{d.num_layers}; give one of {LAYER_TYPES} per layer")
             for i, t in enumerate(d.layer_types):
                 _check_choice(f"drafter.layer_types[{i}]", t, LAYER_TYPES)
-        for key in ("steps", "micro_batch_size", "grad_accum", "max_anchors"):
+        if self.train.gamma is not None and not self.train.gamma > 0:
+            raise ValueError(f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.train.gamma}")
+        if len(self.train.betas) != 2:
+            raise ValueError(f"train.betas must have two values, got {list(self.train.betas)}")
+        heads, kv = d.num_attention_heads, d.num_key_value_heads
+        if heads and kv and heads % kv:
+            raise ValueError(f"drafter.num_attention_heads={heads} must be a multiple of "
+                             f"drafter.num_key_value_heads={kv}")
+        if d.head_dim is not None and d.head_dim % 2:
+            raise ValueError(f"drafter.head_dim={d.head_dim} must be even (rotary embedding)")
+        for key in ("steps", "micro_batch_size", "grad_accum", "max_anchors", "log_every", "eval_every",
+                    "save_every", "lm_head_chunk"):
             if getattr(self.train, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self.train, key)}")
         if self.data.pack_to is not None and self.data.pack_to < self.data.max_length:

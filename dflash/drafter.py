@@ -9,7 +9,6 @@ The drafter has no embedding and no LM head: it uses the target's, frozen, plus 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -43,7 +42,7 @@ class DrafterSpec:
     def num_aux(self) -> int:
         return len(self.target_layer_ids)
 
-    def to_hf_config(self) -> dict:
+    def to_hf_config(self, dtype: str = "bfloat16") -> dict:
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -68,7 +67,7 @@ class DrafterSpec:
             "num_target_layers": self.num_target_layers,
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
                               "mask_token_id": self.mask_token_id},
-            "torch_dtype": "bfloat16",
+            "torch_dtype": dtype,
             **self.extra,
         }
 
@@ -78,8 +77,14 @@ class DrafterSpec:
         dc = cfg.get("dflash_config") or {}
         if "target_layer_ids" not in dc:
             raise ValueError("config.json has no dflash_config.target_layer_ids; not a DFlash drafter")
+        if "mask_token_id" not in dc and "mask_token_id" not in cfg:
+            raise ValueError("config.json has no dflash_config.mask_token_id; the drafter's mask token "
+                             "must come from the checkpoint")
         n = int(cfg["num_hidden_layers"])
-        layer_types = cfg.get("layer_types") or ["full_attention"] * n
+        layer_types = cfg.get("layer_types")
+        if not layer_types:
+            sliding = cfg.get("use_sliding_window", False) and cfg.get("sliding_window")
+            layer_types = ["sliding_attention" if sliding else "full_attention"] * n
         rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)
         heads = int(cfg["num_attention_heads"])
         return cls(
@@ -88,7 +93,7 @@ class DrafterSpec:
             num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             vocab_size=int(cfg["vocab_size"]), block_size=int(cfg.get("block_size", 16)),
-            mask_token_id=int(dc.get("mask_token_id", cfg.get("mask_token_id", -1))),
+            mask_token_id=int(dc.get("mask_token_id", cfg.get("mask_token_id"))),
             target_layer_ids=[int(i) for i in dc["target_layer_ids"]],
             num_target_layers=int(cfg.get("num_target_layers", -1)),
             layer_types=list(layer_types), sliding_window=int(cfg.get("sliding_window") or 2048),
@@ -154,8 +159,12 @@ class DFlashAttention(nn.Module):
         k_ctx, v_ctx = ctx_kv
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_N1QK,
-                                             enable_gqa=self.num_heads != self.num_kv)
+        if self.num_heads != self.num_kv:
+            # Expanded explicitly: with enable_gqa only cuDNN takes a mask efficiently; the math
+            # fallback then materialises [N, h, Q, T+Q] scores (44 GiB per layer at 27B scale).
+            rep = self.num_heads // self.num_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_N1QK)
         return self.o_proj(out.transpose(1, 2).reshape(N, Q, -1))
 
 
@@ -232,6 +241,3 @@ class DFlashDrafter(nn.Module):
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
-
-def init_std_for(spec: DrafterSpec, std: float) -> float:
-    return std if std > 0 else 1.0 / math.sqrt(spec.hidden_size)

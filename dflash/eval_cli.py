@@ -6,7 +6,7 @@ import json
 import os
 
 from .checkpoint import load_drafter
-from .config import RunConfig, TargetConfig
+from .config import DataConfig, EvalConfig, RunConfig, TargetConfig
 from .evaluation import build_eval_set, evaluate
 from .report import print_report, write_json
 from .target import load_target
@@ -38,9 +38,17 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         raise ValueError(f"{rc.ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete")
     prev = run_config_of(rc.ckpt)
     user_set = {o.split("=")[0].lstrip("+") for o in overrides}
-    if prev is not None and not any(k == "target" or k.startswith("target.") for k in user_set):
-        rc = dataclasses.replace(rc, target=TargetConfig(**prev["target"]))
-        print(f"target: {rc.target.name} (from the checkpoint's run config)")
+    if prev is not None:
+        # the run's own target, data conventions (chat template, prompt source) and eval set,
+        # unless the command line names them (pitfall 6: eval prompts as training saw them)
+        restored = []
+        for group, cls in (("target", TargetConfig), ("data", DataConfig), ("eval", EvalConfig)):
+            if group in prev and not any(k == group or k.startswith(group + ".") for k in user_set):
+                rc = dataclasses.replace(rc, **{group: cls(**prev[group])})
+                restored.append(group)
+        if restored:
+            print(f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
+                  f"eval source {rc.eval.source or rc.data.source})")
     target = _target_for(rc, spec)
     items = build_eval_set(rc, target, os.path.join(out_dir, "data"), log=print)
     dev = target.device

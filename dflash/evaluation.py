@@ -55,12 +55,31 @@ def eval_prompts(cfg, target) -> list[list[int]]:
                               [target.mask_token_id], ecfg.seed)
     if target.tokenizer is None:
         raise ValueError(f"eval source {source!r} needs a target with a tokenizer")
+    return encode_prompts(heldout_text_prompts(cfg), target.tokenizer, cfg.target)
+
+
+def _prompt_key(p) -> str:
+    return json.dumps(p, sort_keys=True, default=str)
+
+
+def heldout_text_prompts(cfg) -> list:
+    """Eval prompts that are never training prompts: from eval.paths / eval.source when they
+    name another source, else the rows of the training source after the ones training uses,
+    with any prompt that training also sees removed."""
     from dataclasses import replace
-    # Training files are reused for eval only when eval reads the same kind of source.
-    paths = list(ecfg.paths) or (list(dcfg.paths) if source == dcfg.source else [])
-    ed = replace(dcfg, source=source, paths=paths,
-                 num_samples=ecfg.num_prompts, seed=ecfg.seed)
-    return encode_prompts(text_prompts(ed)[: ecfg.num_prompts], target.tokenizer, cfg.target)
+    ecfg, dcfg = cfg.eval, cfg.data
+    source = ecfg.source or dcfg.source
+    if ecfg.paths or source != dcfg.source:
+        ed = replace(dcfg, source=source, paths=list(ecfg.paths), num_samples=ecfg.num_prompts, seed=ecfg.seed)
+        return text_prompts(ed)[: ecfg.num_prompts]
+    seen = {_prompt_key(p) for p in text_prompts(dcfg)}
+    pool = text_prompts(replace(dcfg, num_samples=dcfg.num_samples + ecfg.num_prompts))
+    out = [p for p in pool if _prompt_key(p) not in seen][: ecfg.num_prompts]
+    if not out:
+        raise ValueError(f"eval: no held-out prompts left: data.source={dcfg.source} has no rows beyond the "
+                         f"{dcfg.num_samples} used for training; lower data.num_samples or set eval.paths "
+                         "/ eval.source")
+    return out
 
 
 def build_eval_set(cfg, target, cache_dir: Optional[str], log=print) -> list[EvalItem]:

@@ -557,6 +557,7 @@ class StreamedBatchSource:
 
     def _receive_all(self) -> None:
         ctx, topo = self.ctx, self.cfg.topology
+        w = None
         try:
             side = None
             if ctx.device.type == "cuda":
@@ -576,7 +577,8 @@ class StreamedBatchSource:
                     _dump("recv", g, tb, worker=w, trainer=ctx.rank, step=step, j=j)
                     self.q.put((g, w, tb, head, tensors))
         except BaseException as e:  # noqa: BLE001 - reported by the main thread, or below
-            self.error = e if isinstance(e, PeerError) else PeerError(f"receiving failed: {e!r}")
+            peer = f" from worker rank {w}" if w is not None else ""  # irecv itself can raise when the peer is gone
+            self.error = e if isinstance(e, PeerError) else PeerError(f"receiving{peer} failed: {e!r}")
             _ROOT_CAUSE.append(self.error)
             # The main thread raises it at its next next_batches(); if it is blocked elsewhere
             # (a collective with another trainer), end the process from here.

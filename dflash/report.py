@@ -38,10 +38,21 @@ def print_report(reports, summary: dict, budgets, show_rounds: int = 2, console:
     console.print(s)
 
 
+def _finite(x):
+    """NaN/inf (e.g. a budget with no rounds) -> null: strict JSON for any reader."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_json(path: str, reports, summary: dict, meta: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    payload = {"meta": meta, "summary": summary, "prompts": [r.to_dict() for r in reports]}
+    payload = _finite({"meta": meta, "summary": summary, "prompts": [r.to_dict() for r in reports]})
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+        json.dump(payload, f, indent=2, default=str, allow_nan=False)
     os.replace(tmp, path)

@@ -203,8 +203,11 @@ def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None,
 
 
 def write_run_config(cfg: RunConfig, run_dir: str) -> None:
-    with open(os.path.join(run_dir, "run_config.json"), "w") as f:
+    path = os.path.join(run_dir, "run_config.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
+    os.replace(tmp, path)
 
 
 def train_loop(cfg: RunConfig, trainer: DrafterTrainer, source, evaluator, logger: Logger, run_dir: str,

@@ -70,8 +70,8 @@ def select_linear_attn_backend(backend: str, device: torch.device) -> str:
     for mod in already:
         current = linear_attn_kind(linear_attn_report(sys.modules[mod]))
         if current in ("fla", "torch", "mixed") and current != backend:
-            raise RuntimeError(
-                f"{mod} was imported with the {current} Gated-DeltaNet "
+            raise ValueError(
+                f"target.linear_attn_backend: {mod} was imported with the {current} Gated-DeltaNet "
                 f"kernels before dflash could select {backend!r}; select the backend before importing "
                 "the model (use dflash.target.load_target) or start a fresh process")
     if backend == "torch":
@@ -317,7 +317,7 @@ def check_bound_backend(model: nn.Module, backend: str) -> str:
         return "none"
     kind = linear_attn_kind(linear_attn_report(mod))
     if kind != backend:
-        raise RuntimeError(f"target.linear_attn_backend={backend!r} but the Gated-DeltaNet ops are bound "
+        raise ValueError(f"target.linear_attn_backend={backend!r} but the Gated-DeltaNet ops are bound "
                            f"to {kind}: {linear_attn_report(mod)} (fla failed to import, or the modeling "
                            "module was imported before the backend was selected)")
     return kind

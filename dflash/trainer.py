@@ -17,7 +17,7 @@ from .blocks import block_labels, build_blocks, candidate_anchors, sample_anchor
 from .config import DrafterConfig, TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
 from .loss import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
-from .target import check_layer_ids, default_layer_ids
+from .target import check_layer_ids, default_layer_ids, resolve_dtype
 
 
 @dataclass
@@ -51,10 +51,7 @@ def resolve_spec(dcfg: DrafterConfig, num_target_layers: int, hidden_size: int, 
         max_position_embeddings=dcfg.max_position_embeddings)
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+compute_dtype = resolve_dtype  # same rule for the target's and the drafter's compute dtype
 
 
 def row_seed(base: int, step: int, key: int) -> int:
@@ -154,7 +151,8 @@ class DrafterTrainer:
         for i, (tb, prep) in enumerate(zip(micro, prepared)):
             tb = tb.to(self.device)
             if self.cfg.noise_std > 0:
-                g = torch.Generator().manual_seed(row_seed(self.cfg.seed + 1, step, int(tb.row_seeds[0])))
+                g = torch.Generator(device=self.device).manual_seed(
+                    row_seed(self.cfg.seed + 1, step, int(tb.row_seeds[0])))
                 tb = add_input_noise(tb, self.cfg.noise_std, g)
             sync = contextlib.nullcontext()
             if self.dp_world > 1 and i < len(micro) - 1:

@@ -128,3 +128,35 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
                         "target=tiny_qwen3_5", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+
+
+def test_resume_true_picks_this_experiment_only(tiny_qwen, tmp_path):
+    from dflash.checkpoint import find_checkpoint, latest_run_checkpoint
+    d = make_drafter(tiny_qwen)
+    save_checkpoint(str(tmp_path / "v5-20260101"), 2, d, {})
+    save_checkpoint(str(tmp_path / "v5b-20270101"), 9, d, {})   # newer, but another experiment
+    got = latest_run_checkpoint(str(tmp_path), "v5", exclude=str(tmp_path / "v5-now"))
+    assert got.endswith(os.path.join("v5-20260101", "checkpoints", "step_00000002"))
+    # a lost `latest` pointer falls back to the newest complete step directory
+    save_checkpoint(str(tmp_path / "r"), 4, d, {})
+    os.remove(tmp_path / "r" / "checkpoints" / "latest")
+    assert find_checkpoint(str(tmp_path / "r")).endswith("step_00000004")
+
+
+def test_checkpoint_keeps_fp32_master_weights(tiny_qwen, tmp_path):
+    from dflash.checkpoint import load_checkpoint
+    d = make_drafter(tiny_qwen)
+    with torch.no_grad():
+        d.fc.weight.add_(1e-4)  # not representable in bf16
+    save_checkpoint(str(tmp_path), 1, d, {})
+    cfg = json.load(open(tmp_path / "checkpoints" / "step_00000001" / "config.json"))
+    assert cfg["torch_dtype"] == "bfloat16"
+    fresh = make_drafter(tiny_qwen, seed=5)
+    load_checkpoint(str(tmp_path), fresh)
+    assert torch.equal(fresh.fc.weight, d.fc.weight)
+
+
+def test_report_json_is_strict(tmp_path):
+    from dflash.report import write_json
+    write_json(str(tmp_path / "r.json"), [], {"tau": float("nan"), "x": [1.0, float("inf")]}, {})
+    assert json.load(open(tmp_path / "r.json"))["summary"] == {"tau": None, "x": [1.0, None]}

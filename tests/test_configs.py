@@ -76,6 +76,9 @@ def test_unknown_key_fails_at_composition():
     ("target.linear_attn_backend=cuda", "linear_attn_backend"),
     ("drafter.layer_types=[full_attention]", "layer_types"),
     ("train.dtype=float8", "train.dtype"),
+    ("train.gamma=0", "train.gamma"),
+    ("train.log_every=0", "train.log_every"),
+    ("drafter.num_attention_heads=5", "num_key_value_heads"),
 ])
 def test_bad_values_name_the_key(override, match):
     with pytest.raises(ValueError, match=match):

@@ -322,3 +322,24 @@ def test_jsonl_prompts_and_empty_files(tmp_path):
         text_prompts(DataConfig(source="jsonl", paths=[str(bad)]))
     with pytest.raises(FileNotFoundError, match="not found"):
         text_prompts(DataConfig(source="jsonl", paths=[str(tmp_path / "none.jsonl")]))
+
+
+def test_eval_prompts_are_held_out_from_training(tmp_path):
+    """Same source for training and eval: eval takes rows training never sees."""
+    import json as _json
+    from dflash.config import DataConfig, EvalConfig, RunConfig, TargetConfig
+    from dflash.data import text_prompts
+    from dflash.evaluation import heldout_text_prompts
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(_json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(20)))
+    for data in (DataConfig(source="jsonl", paths=[str(f)], num_samples=12),
+                 DataConfig(source="stdlib", num_samples=64, seed=3)):
+        rc = RunConfig(target=TargetConfig(config={"model_type": "llama"}), data=data,
+                       eval=EvalConfig(num_prompts=6))
+        train = {str(p) for p in text_prompts(data)}
+        ev = heldout_text_prompts(rc)
+        assert len(ev) == 6 and not train & {str(p) for p in ev}
+    rc = RunConfig(target=TargetConfig(config={"model_type": "llama"}),
+                   data=DataConfig(source="jsonl", paths=[str(f)], num_samples=20), eval=EvalConfig(num_prompts=4))
+    with pytest.raises(ValueError, match="no held-out prompts"):
+        heldout_text_prompts(rc)

@@ -146,5 +146,5 @@ def test_candidate_anchors_respect_samples():
     seg = torch.tensor([[0, 0, 0, 0, 1, 1, 1, -1]])
     lm = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
     c = candidate_anchors(seg, lm)[0].nonzero().flatten().tolist()
-    # a=1 -> 2 is response; a=2 -> 3; a=4 -> 5 but 4 is a sample start (no context); a=5 -> 6
-    assert c == [1, 2, 5]
+    # a=1 is a prompt token (never an anchor at inference); a=2 -> 3; a=4 is a sample start; a=5 -> 6
+    assert c == [2, 5]

@@ -40,7 +40,7 @@ def test_report_says_torch_fallback_on_cpu(tiny_qwen, tiny_llama):
 
 
 def test_asking_fla_but_bound_to_torch_is_refused(tiny_qwen):
-    with pytest.raises(RuntimeError, match="bound to torch"):
+    with pytest.raises(ValueError, match="bound to torch"):
         check_bound_backend(tiny_qwen.model, "fla")
 
 
@@ -107,7 +107,7 @@ def test_report_reads_fla_binding_and_refuses_a_late_switch(tmp_path):
         try:
             select_linear_attn_backend("torch", torch.device("cpu"))
             late = "accepted"
-        except RuntimeError as e:
+        except ValueError as e:
             late = str(e)
         print(json.dumps({"report": r, "kind": linear_attn_kind(r), "late": late}))
     """)

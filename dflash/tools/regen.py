@@ -52,6 +52,15 @@ def regen(args) -> dict:
     from ..data import dataset_path, regenerate_dataset
     from ..target import load_conf, load_target, target_config_from_yaml
 
+    import dataclasses
+
+    from ..config import TargetConfig
+    for prefix, cls, over in (("target", TargetConfig, args.target_set), ("data", DataConfig, args.set)):
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(_overrides(over)) - known)
+        if bad:
+            raise ValueError(f"unknown key(s) {', '.join(f'{prefix}.{k}' for k in bad)}; "
+                             f"valid: {', '.join(sorted(known))}")
     tcfg = target_config_from_yaml(args.target, **_overrides(args.target_set))
     dcfg = DataConfig(**{**load_conf("data", args.data), **_overrides(args.set)})
     if (args.out is None) == (args.cache_dir is None):
