@@ -233,8 +233,6 @@ class _TargetRunner:
         self.model = target.model
         self.decoder = target.model.get_decoder()
         self.cache_kw = _cache_kw(self.decoder)
-        self.layers = target.decoder_layers()
-        self.layer_ids = list(target.layer_ids)
 
     @torch.no_grad()
     def __call__(self, ids_NT: torch.Tensor, pos_NT: torch.Tensor, cache, attn_mask=None,
@@ -243,25 +241,13 @@ class _TargetRunner:
         (or None). Runs the decoder and takes the argmax of lm_head in chunks
         (`Target.greedy_from_hidden`, as `Target.capture`), so the full [N, T, V] logits of a
         large tree batch are never held."""
-        captured: dict = {}
-        handles = []
-        if want_aux:
-            for lid in self.layer_ids:
-                def hook(_m, _i, out, lid=lid):
-                    captured[lid] = out[0] if isinstance(out, (tuple, list)) else out
-                handles.append(self.layers[lid].register_forward_hook(hook))
-        try:
+        with self.target.tap_aux(enabled=want_aux) as taps:
             out = self.decoder(input_ids=ids_NT, position_ids=pos_NT, attention_mask=attn_mask,
                                use_cache=True, **{self.cache_kw: cache})
-        finally:
-            for h in handles:
-                h.remove()
         final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         if last_only:
             final = final[:, -1:]
-        greedy = self.target.greedy_from_hidden(final, 4096)
-        aux = torch.cat([captured[lid] for lid in self.layer_ids], -1) if want_aux else None
-        return greedy, aux
+        return self.target.greedy_from_hidden(final, 4096), taps.aux()
 
 
 def _as_prompt(target, prompt_ids) -> torch.Tensor:

@@ -5,6 +5,7 @@ Layer id l = output of decoder layer l = HF `hidden_states[l + 1]`.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -365,6 +366,21 @@ class TargetOutput:
     final_hidden_NTH: Optional[torch.Tensor] = None
 
 
+class _AuxTaps:
+    def __init__(self, layer_ids):
+        self.layer_ids, self.captured = list(layer_ids), {}
+
+    def hook(self, lid: int):
+        def fn(_mod, _inp, out):
+            self.captured[lid] = out[0] if isinstance(out, (tuple, list)) else out
+        return fn
+
+    def aux(self) -> Optional[torch.Tensor]:
+        if not self.captured:
+            return None
+        return torch.cat([self.captured[lid] for lid in self.layer_ids], dim=-1)
+
+
 class Target(nn.Module):
     """Frozen HF causal LM + the aux layers the drafter reads."""
 
@@ -404,23 +420,26 @@ class Target(nn.Module):
                 with_final_hidden: bool = False, label_chunk: int = 4096) -> TargetOutput:
         """One no-grad forward: aux states via hooks (only the K taps are kept), hard labels from
         the clean logits computed in chunks (the full [N, T, V] logits are never held)."""
-        captured: dict[int, torch.Tensor] = {}
-        layers = self.decoder_layers()
-        handles = []
-        for lid in self.layer_ids:
-            def hook(_mod, _inp, out, lid=lid):
-                captured[lid] = out[0] if isinstance(out, (tuple, list)) else out
-            handles.append(layers[lid].register_forward_hook(hook))
-        try:
+        with self.tap_aux() as taps:
             out = self.model.get_decoder()(input_ids=input_ids_NT, attention_mask=attention_mask_NT,
                                            use_cache=False)
+        final_NTH = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        aux_NTF = taps.aux()
+        next_token_NT = self.greedy_from_hidden(final_NTH, label_chunk)
+        return TargetOutput(aux_NTF, next_token_NT, final_NTH if with_final_hidden else None)
+
+    @contextlib.contextmanager
+    def tap_aux(self, enabled: bool = True):
+        """Forward hooks on the aux layers for the duration of one forward; `.aux()` then returns
+        their outputs concatenated in layer-id order [N, T, K*H] (None when disabled)."""
+        taps = _AuxTaps(self.layer_ids)
+        handles = [self.decoder_layers()[lid].register_forward_hook(taps.hook(lid))
+                   for lid in (self.layer_ids if enabled else [])]
+        try:
+            yield taps
         finally:
             for h in handles:
                 h.remove()
-        final_NTH = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        aux_NTF = torch.cat([captured[lid] for lid in self.layer_ids], dim=-1)
-        next_token_NT = self.greedy_from_hidden(final_NTH, label_chunk)
-        return TargetOutput(aux_NTF, next_token_NT, final_NTH if with_final_hidden else None)
 
     def greedy_from_hidden(self, final_NTH: torch.Tensor, chunk: int) -> torch.Tensor:
         flat = final_NTH.reshape(-1, final_NTH.shape[-1])
