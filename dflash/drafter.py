@@ -9,7 +9,7 @@ The drafter has no embedding and no LM head: it uses the target's, frozen, plus 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -36,7 +36,6 @@ class DrafterSpec:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_aux(self) -> int:
@@ -68,7 +67,6 @@ class DrafterSpec:
             "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
                               "mask_token_id": self.mask_token_id},
             "torch_dtype": dtype,
-            **self.extra,
         }
 
     @classmethod

@@ -41,14 +41,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .batch import TargetBatch
-from .checkpoint import find_checkpoint, load_checkpoint
+from .checkpoint import find_checkpoint
 from .config import RunConfig, TopologyConfig
 from .data import SampleStream, load_or_build_dataset
 from .dist import (Outbox, PeerError, RankContext, die, init_distributed, launcher_env, new_group,
                    recv_message, shutdown)
 from .drafter import num_params
 from .loggers import make_logger
-from .runner import (BadBatchError, build_drafter, build_target, check_same_samples, make_batch,
+from .runner import (BadBatchError, resume_from, build_drafter, build_target, check_same_samples, make_batch,
                      resume_path, run_training, samples_digest, screen_batch, train_loop,
                      write_run_config)
 from .target import check_layer_ids, default_layer_ids, resolve_dtype, resolve_mask_token_id
@@ -509,22 +509,15 @@ def resume_trainer(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles,
         ckpt = resume_path(cfg, run_dir)
         ckpt = find_checkpoint(ckpt) if ckpt else None
         if ckpt:
-            _load_resume_state(ckpt, trainer, stream, logger)
+            resume_from(ckpt, trainer, stream, logger)
         start = {"ckpt": ckpt, "step": trainer.step, "position": stream.position}
     start = ctx.broadcast_object(start, src=t0)
     if ctx.rank != t0 and start["ckpt"]:
-        _load_resume_state(start["ckpt"], trainer, stream, logger)
+        resume_from(start["ckpt"], trainer, stream, logger)
         if (trainer.step, stream.position) != (start["step"], start["position"]):
             raise ValueError(f"trainer rank {ctx.rank} resumed at step {trainer.step}, position "
                              f"{stream.position}; trainer 0 at {start}")
     return start
-
-
-def _load_resume_state(ckpt: str, trainer: DrafterTrainer, stream: SampleStream, logger) -> None:
-    state = load_checkpoint(ckpt, trainer.drafter)
-    trainer.load_state_dict(state["trainer"])
-    stream.load_state_dict(state["source"]["stream"])
-    logger.info(f"resumed from {state['path']} at step {trainer.step} (sample position {stream.position})")
 
 
 class StreamedBatchSource:

@@ -52,7 +52,7 @@ def build_drafter(cfg: RunConfig, target: Target) -> DFlashDrafter:
 def make_batch(target: Target, samples: list, idx: list[int], cfg: RunConfig) -> TargetBatch:
     """The clean target forward over samples[idx]: the same in colocated and split mode."""
     batch = collate([samples[i] for i in idx], pad_id=target.mask_token_id,
-                    pack_to=getattr(cfg.data, "pack_to", None)).to(target.device)
+                    pack_to=cfg.data.pack_to).to(target.device)
     return target_forward(target, batch, with_final_hidden=cfg.train.loss == "soft_kl")
 
 
@@ -125,9 +125,6 @@ class LocalBatchSource:
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state["stream"])
-
 
 def resume_path(cfg: RunConfig, run_dir: str) -> Optional[str]:
     r = cfg.resume
@@ -192,14 +189,18 @@ def run_training(cfg: RunConfig, run_dir: str, logger: Optional[Logger] = None,
     if multi:
         ckpt = ctx.broadcast_object(ckpt, src=0)  # resume=true must pick the same one everywhere
     if ckpt:
-        state = load_checkpoint(ckpt, drafter)
-        trainer.load_state_dict(state["trainer"])
-        source.load_state_dict(state["source"])
-        logger.info(f"resumed from {state['path']} at step {trainer.step} "
-                    f"(sample position {source.stream.position})")
+        resume_from(ckpt, trainer, source.stream, logger)
     if writer:
         write_run_config(cfg, run_dir)
     return train_loop(cfg, trainer, source, evaluator, logger, run_dir, stop_at, writer=writer)
+
+
+def resume_from(ckpt: str, trainer: DrafterTrainer, stream: SampleStream, logger) -> None:
+    """Weights (fp32 master), optimizer, scheduler, step, RNG and the stream position."""
+    state = load_checkpoint(ckpt, trainer.drafter)
+    trainer.load_state_dict(state["trainer"])
+    stream.load_state_dict(state["source"]["stream"])
+    logger.info(f"resumed from {state['path']} at step {trainer.step} (sample position {stream.position})")
 
 
 def write_run_config(cfg: RunConfig, run_dir: str) -> None:
