@@ -1,5 +1,6 @@
 """Evaluate a drafter checkpoint (ours or a published z-lab-format directory):
 `python eval.py ckpt=PATH [target=...] [out=report.json]` -> streak / tau / DDTree per prompt."""
+
 import sys
 
 import hydra

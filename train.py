@@ -1,4 +1,5 @@
 """Train a DFlash drafter: `python train.py [+exp=NAME] [key=value ...]` (see README)."""
+
 import os
 import sys
 
@@ -17,9 +18,11 @@ def main(cfg) -> None:
         rc = typed(cfg)
         if rc.topology.mode == "split" or int(os.environ.get("WORLD_SIZE", "1")) > 1:
             from dflash.pipeline import run_distributed
+
             run_distributed(rc, run_dir)
         else:
             from dflash.runner import run_training
+
             run_training(rc, run_dir)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

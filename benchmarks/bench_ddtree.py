@@ -47,12 +47,12 @@ def bench_blocks(args, V: int, topk: bool) -> None:
     bmax = max(args.budgets)
     if topk:  # what evaluation stores: top-bmax per position
         blocks = [(*torch.topk(lp, bmax, dim=-1), tgt) for lp, tgt in blocks]
-        build = lambda b: (lambda x: build_ddtree(x[0], b, x[1]))  # noqa: E731
-        accept = lambda bs: (lambda x: ddtree_accept_topk(x[0], x[1], x[2], bs))  # noqa: E731
+        build = lambda b: lambda x: build_ddtree(x[0], b, x[1])  # noqa: E731
+        accept = lambda bs: lambda x: ddtree_accept_topk(x[0], x[1], x[2], bs)  # noqa: E731
         first = [ddtree_accept_topk(v, i, t, args.budgets) for v, i, t in blocks]
     else:
-        build = lambda b: (lambda x: build_ddtree(x[0], b))  # noqa: E731
-        accept = lambda bs: (lambda x: ddtree_accept(x[0], x[1], bs))  # noqa: E731
+        build = lambda b: lambda x: build_ddtree(x[0], b)  # noqa: E731
+        accept = lambda bs: lambda x: ddtree_accept(x[0], x[1], bs)  # noqa: E731
         first = [ddtree_accept(lp, t, args.budgets) for lp, t in blocks]
     kind = f"top-{bmax} of V={V}" if topk else f"full V={V}"
     print(f"\n[{kind}, D={args.D}, {args.blocks} blocks] ms per block")
@@ -79,8 +79,10 @@ def bench_walks(args) -> None:
     for _ in range(reps):
         w = walk_chain(draft, g)
     dt = (time.perf_counter() - t0) / reps
-    print(f"\n[walk_chain, L={L}, D={D}] {w.num_rounds} rounds, streak {w.streak:.2f}: "
-          f"{w.num_rounds / dt:,.0f} rounds/s ({dt * 1e3:.2f} ms per prompt)")
+    print(
+        f"\n[walk_chain, L={L}, D={D}] {w.num_rounds} rounds, streak {w.streak:.2f}: "
+        f"{w.num_rounds / dt:,.0f} rounds/s ({dt * 1e3:.2f} ms per prompt)"
+    )
 
     # DDTree walk on stored top-k (what eval does), every budget, one prompt
     K = max(args.budgets)
@@ -95,25 +97,38 @@ def bench_walks(args) -> None:
     walks = walk_ddtree(vals, ids, tg, args.budgets)
     dt = time.perf_counter() - t0
     rounds = sum(w.num_rounds for w in walks.values())
-    print(f"[walk_ddtree, L={n}, D={D}, top-{K}, budgets {args.budgets}] {rounds} rounds in "
-          f"{dt:.2f} s ({dt * 1e3 / n:.2f} ms per completion token)")
+    print(
+        f"[walk_ddtree, L={n}, D={D}, top-{K}, budgets {args.budgets}] {rounds} rounds in "
+        f"{dt:.2f} s ({dt * 1e3 / n:.2f} ms per completion token)"
+    )
     tgt_ND = torch.stack([t for _, t in blocks])
     t0 = time.perf_counter()
     ddtree_accept_many(vals, ids, tgt_ND, args.budgets)
     dt = time.perf_counter() - t0
-    print(f"[ddtree_accept_many, N={n}, all budgets] {n / dt:,.0f} anchors/s ({dt * 1e3 / n:.2f} ms per anchor)")
+    print(
+        f"[ddtree_accept_many, N={n}, all budgets] {n / dt:,.0f} anchors/s ({dt * 1e3 / n:.2f} ms per anchor)"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--D", type=int, default=15, help="drafted positions per block (block_size - 1)")
-    ap.add_argument("--budgets", type=lambda s: [int(x) for x in s.split(",")],
-                    default=[4, 8, 16, 32, 64, 128, 256, 512, 1024])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--D", type=int, default=15, help="drafted positions per block (block_size - 1)"
+    )
+    ap.add_argument(
+        "--budgets",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[4, 8, 16, 32, 64, 128, 256, 512, 1024],
+    )
     ap.add_argument("--blocks", type=int, default=20, help="random blocks timed per setting")
     ap.add_argument("--vocab-large", type=int, default=248320)
     ap.add_argument("--vocab-small", type=int, default=32000)
     ap.add_argument("--walk-len", type=int, default=4096, help="completion length for walk_chain")
-    ap.add_argument("--walk-tree-len", type=int, default=512, help="completion length for walk_ddtree")
+    ap.add_argument(
+        "--walk-tree-len", type=int, default=512, help="completion length for walk_ddtree"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")

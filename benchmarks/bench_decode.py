@@ -15,6 +15,7 @@ greedy tokens pushed in with a hashed pattern of hits, runner-ups and misses; an
 time the acceptance regime of a trained drafter, not a drafter). Prompts are random token ids.
 Exit status 1 if any output differs from AR.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,20 +40,35 @@ def load(name: str, args):
     from dflash.target import linear_attn_report, load_target
     from dflash.trainer import resolve_spec
 
-    raw = OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, "conf", "target", f"{name}.yaml")), resolve=True)
+    raw = OmegaConf.to_container(
+        OmegaConf.load(os.path.join(ROOT, "conf", "target", f"{name}.yaml")), resolve=True
+    )
     tcfg = TargetConfig(**raw)
     if args.ckpt:
         from dflash.checkpoint import load_drafter
+
         drafter, _ = load_drafter(args.ckpt)
-        target = load_target(tcfg, drafter.spec.target_layer_ids, mask_token_id=drafter.spec.mask_token_id)
+        target = load_target(
+            tcfg, drafter.spec.target_layer_ids, mask_token_id=drafter.spec.mask_token_id
+        )
     else:
         target = load_target(tcfg, num_aux=args.num_aux)
         mc = target.model.config
-        dcfg = DrafterConfig(num_layers=args.drafter_layers, target_layer_ids=list(target.layer_ids),
-                             block_size=args.block_size)
-        spec = resolve_spec(dcfg, target.num_layers, target.hidden_size, target.vocab_size,
-                            int(mc.intermediate_size), int(mc.num_attention_heads),
-                            int(getattr(mc, "num_key_value_heads", 0) or 0), target.mask_token_id)
+        dcfg = DrafterConfig(
+            num_layers=args.drafter_layers,
+            target_layer_ids=list(target.layer_ids),
+            block_size=args.block_size,
+        )
+        spec = resolve_spec(
+            dcfg,
+            target.num_layers,
+            target.hidden_size,
+            target.vocab_size,
+            int(mc.intermediate_size),
+            int(mc.num_attention_heads),
+            int(getattr(mc, "num_key_value_heads", 0) or 0),
+            target.mask_token_id,
+        )
         drafter = DFlashDrafter(spec)
         drafter.init_weights(0.02, torch.Generator().manual_seed(0))
     drafter = drafter.to(target.device, torch.float32).eval()
@@ -61,10 +77,14 @@ def load(name: str, args):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--targets", default="tiny_llama,tiny_qwen3_5")
     ap.add_argument("--drafter", default="oracle", choices=["random", "oracle"])
-    ap.add_argument("--ckpt", default=None, help="drafter checkpoint directory (overrides --drafter)")
+    ap.add_argument(
+        "--ckpt", default=None, help="drafter checkpoint directory (overrides --drafter)"
+    )
     ap.add_argument("--budgets", default="4,16,64")
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -77,9 +97,11 @@ def main() -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     torch.manual_seed(args.seed)
     ok = True
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"drafter {'ckpt ' + args.ckpt if args.ckpt else args.drafter}, block {args.block_size}, "
-          f"{args.prompts} prompts x {args.new_tokens} new tokens")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"drafter {'ckpt ' + args.ckpt if args.ckpt else args.drafter}, block {args.block_size}, "
+        f"{args.prompts} prompts x {args.new_tokens} new tokens"
+    )
     for name in [t for t in args.targets.split(",") if t]:
         target, drafter, gdn = load(name, args)
         g = torch.Generator().manual_seed(args.seed)
@@ -88,8 +110,11 @@ def main() -> int:
         for _ in range(args.prompts):
             p = torch.randint(0, target.vocab_size, (args.prompt_len,), generator=g).tolist()
             prompts.append([t if t not in bad else 0 for t in p])
-        print(f"\n== {name}: {type(target.model).__name__}, {target.num_layers} layers, "
-              f"{target.dtype}, {target.device}" + (f", GDN ops {sorted(set(gdn.values()))}" if gdn else ""))
+        print(
+            f"\n== {name}: {type(target.model).__name__}, {target.num_layers} layers, "
+            f"{target.dtype}, {target.device}"
+            + (f", GDN ops {sorted(set(gdn.values()))}" if gdn else "")
+        )
         modes = [("ar", None), ("chain", None)] + [("tree", b) for b in budgets]
         rows = {}
         # warm-up (first-call allocations, lazy kernel binding)
@@ -98,7 +123,9 @@ def main() -> int:
             ar = generate_ar(target, prompt, args.new_tokens)
             d = drafter
             if args.drafter == "oracle" and not args.ckpt:
-                d = OracleDrafter(drafter, target.lm_head.weight, prompt + ar.tokens, "mixed", seed=i)
+                d = OracleDrafter(
+                    drafter, target.lm_head.weight, prompt + ar.tokens, "mixed", seed=i
+                )
             if i == 0:
                 generate_chain(target, d, prompt, 8)
                 generate_tree(target, d, prompt, 8, budgets[0] if budgets else 1)
@@ -111,20 +138,26 @@ def main() -> int:
                     res = generate_tree(target, d, prompt, args.new_tokens, b)
                 same = res.tokens == ar.tokens
                 ok &= same
-                r = rows.setdefault(res.mode, {"tokens": 0, "wall": 0.0, "acc": [], "same": True, "vt": 0})
+                r = rows.setdefault(
+                    res.mode, {"tokens": 0, "wall": 0.0, "acc": [], "same": True, "vt": 0}
+                )
                 r["tokens"] += len(res.tokens)
                 r["wall"] += res.wall_s
                 r["acc"] += res.accepted
                 r["same"] &= same
                 r["vt"] += res.verify_tokens
         ar_tps = rows["ar"]["tokens"] / rows["ar"]["wall"]
-        print(f"{'mode':>9} {'tokens':>7} {'rounds':>7} {'tau':>6} {'verify tok':>10} {'wall s':>8} "
-              f"{'tok/s':>8} {'vs AR':>6} {'== AR':>6}")
+        print(
+            f"{'mode':>9} {'tokens':>7} {'rounds':>7} {'tau':>6} {'verify tok':>10} {'wall s':>8} "
+            f"{'tok/s':>8} {'vs AR':>6} {'== AR':>6}"
+        )
         for mode, r in rows.items():
             tps = r["tokens"] / r["wall"]
             tau = f"{statistics.mean(r['acc']) + 1:.2f}" if r["acc"] else "-"
-            print(f"{mode:>9} {r['tokens']:>7} {len(r['acc']) or '-':>7} {tau:>6} {r['vt']:>10} "
-                  f"{r['wall']:>8.3f} {tps:>8.1f} {tps / ar_tps:>5.2f}x {'yes' if r['same'] else 'NO':>6}")
+            print(
+                f"{mode:>9} {r['tokens']:>7} {len(r['acc']) or '-':>7} {tau:>6} {r['vt']:>10} "
+                f"{r['wall']:>8.3f} {tps:>8.1f} {tps / ar_tps:>5.2f}x {'yes' if r['same'] else 'NO':>6}"
+            )
     if not ok:
         print("\nERROR: some speculative output differs from greedy decoding")
     return 0 if ok else 1

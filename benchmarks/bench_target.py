@@ -3,13 +3,13 @@ needs per batch), tokens/s and TFLOP/s against an in-process bf16 matmul peak.
 
   python benchmarks/bench_target.py --target qwen3_6_27b_random --seq 4096 --batch 1
 """
+
 from __future__ import annotations
 
 import argparse
 
 import torch
-
-from common import report, load_target_yaml, matmul_peak_tflops, timed
+from common import load_target_yaml, matmul_peak_tflops, report, timed
 
 
 def forward_flops_per_token(cfg, seq: int) -> float:
@@ -21,7 +21,11 @@ def forward_flops_per_token(cfg, seq: int) -> float:
     for t in types:
         total += 3 * H * I  # MLP
         if t == "full_attention":
-            q = cfg.num_attention_heads * hd * (2 if getattr(cfg, "model_type", "").startswith("qwen3_5") else 1)
+            q = (
+                cfg.num_attention_heads
+                * hd
+                * (2 if getattr(cfg, "model_type", "").startswith("qwen3_5") else 1)
+            )
             kv = 2 * cfg.num_key_value_heads * hd
             total += H * (q + kv) + cfg.num_attention_heads * hd * H
             total += 2 * cfg.num_attention_heads * hd * seq / 2  # QK^T and PV, causal
@@ -29,7 +33,9 @@ def forward_flops_per_token(cfg, seq: int) -> float:
             kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
             vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
             total += H * (2 * kd + 2 * vd + 2 * cfg.linear_num_value_heads) + vd * H
-            total += 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            total += (
+                4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+            )
     total += H * V  # lm_head for the argmax labels
     return 2 * total
 
@@ -56,13 +62,22 @@ def main() -> None:
     tokens = args.batch * args.seq
     fpt = forward_flops_per_token(target.model.config, args.seq)
     tflops = fpt * tokens / s / 1e12
-    res = {"target": args.target, "backend": target.backend, "gdn_ops": linear_attn_report(),
-           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "seq": args.seq, "batch": args.batch, "aux_layers": target.layer_ids,
-           "s_per_forward": s, "tokens_per_s": tokens / s, "tflops": tflops,
-           "matmul_peak_tflops": peak, "fraction_of_peak": tflops / peak,
-           "floor_tokens_per_s_at_peak": peak * 1e12 / fpt,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
+    res = {
+        "target": args.target,
+        "backend": target.backend,
+        "gdn_ops": linear_attn_report(),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "seq": args.seq,
+        "batch": args.batch,
+        "aux_layers": target.layer_ids,
+        "s_per_forward": s,
+        "tokens_per_s": tokens / s,
+        "tflops": tflops,
+        "matmul_peak_tflops": peak,
+        "fraction_of_peak": tflops / peak,
+        "floor_tokens_per_s_at_peak": peak * 1e12 / fpt,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+    }
     report(res, args.out)
 
 

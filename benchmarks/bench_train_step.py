@@ -3,13 +3,13 @@ model needed): tokens/s and anchors/s of DrafterTrainer.train_step, peak memory.
 
   python benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 --anchors 512
 """
+
 from __future__ import annotations
 
 import argparse
 
 import torch
-
-from common import report, matmul_peak_tflops, timed
+from common import matmul_peak_tflops, report, timed
 
 SHAPES = {  # hidden, vocab, target layers, drafter yaml name
     "qwen3_6_27b": (5120, 248320, 64, "qwen3_6_27b"),
@@ -38,31 +38,49 @@ def main() -> None:
     H, V, L, dname = SHAPES[args.shape]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dcfg = DrafterConfig(**OmegaConf.to_container(OmegaConf.load(f"{root}/conf/drafter/{dname}.yaml")))
+    dcfg = DrafterConfig(
+        **OmegaConf.to_container(OmegaConf.load(f"{root}/conf/drafter/{dname}.yaml"))
+    )
     heads_n = dcfg.num_attention_heads or 8
-    spec = resolve_spec(dcfg, L, H, V, dcfg.intermediate_size or 17408 if H == 5120 else 256, heads_n, 8, V - 250)
+    spec = resolve_spec(
+        dcfg, L, H, V, dcfg.intermediate_size or 17408 if H == 5120 else 256, heads_n, 8, V - 250
+    )
     drafter = DFlashDrafter(spec)
     drafter.init_weights(0.02)
     tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     embed = torch.nn.Embedding(V, H).to(dev, tdtype).requires_grad_(False)
     lm_head = torch.nn.Linear(H, V, bias=False).to(dev, tdtype).requires_grad_(False)
-    tr = DrafterTrainer(drafter, Heads(embed, lm_head), TrainConfig(max_anchors=args.anchors, steps=100), dev)
+    tr = DrafterTrainer(
+        drafter, Heads(embed, lm_head), TrainConfig(max_anchors=args.anchors, steps=100), dev
+    )
     N, T, F = args.batch, args.seq, spec.num_aux * H
     tb = TargetBatch(
         input_ids_NT=torch.randint(0, V - 300, (N, T), device=dev),
         position_ids_NT=torch.arange(T, device=dev)[None].expand(N, T).contiguous(),
         segment_ids_NT=torch.zeros(N, T, dtype=torch.long, device=dev),
-        loss_mask_NT=torch.ones(N, T, dtype=torch.bool, device=dev), sample_ids=torch.arange(N),
-        row_seeds=list(range(N)), aux_NTF=torch.randn(N, T, F, device=dev, dtype=tdtype),
-        next_token_NT=torch.randint(0, V - 300, (N, T), device=dev))
+        loss_mask_NT=torch.ones(N, T, dtype=torch.bool, device=dev),
+        sample_ids=torch.arange(N),
+        row_seeds=list(range(N)),
+        aux_NTF=torch.randn(N, T, F, device=dev, dtype=tdtype),
+        next_token_NT=torch.randint(0, V - 300, (N, T), device=dev),
+    )
     peak = matmul_peak_tflops(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     s = timed(lambda: tr.train_step([tb]), dev, args.iters)
-    res = {"shape": args.shape, "drafter_params_M": num_params(drafter) / 1e6, "seq": T, "anchors": args.anchors,
-           "batch": N, "block_size": spec.block_size, "s_per_step": s, "tokens_per_s": N * T / s,
-           "anchors_per_s": N * args.anchors / s, "matmul_peak_tflops": peak,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None}
+    res = {
+        "shape": args.shape,
+        "drafter_params_M": num_params(drafter) / 1e6,
+        "seq": T,
+        "anchors": args.anchors,
+        "batch": N,
+        "block_size": spec.block_size,
+        "s_per_step": s,
+        "tokens_per_s": N * T / s,
+        "anchors_per_s": N * args.anchors / s,
+        "matmul_peak_tflops": peak,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+    }
     report(res, args.out)
 
 

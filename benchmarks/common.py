@@ -1,4 +1,5 @@
 """Shared helpers for benchmark scripts: timing with CUDA sync and an in-process matmul peak."""
+
 from __future__ import annotations
 
 import os
@@ -37,21 +38,25 @@ def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int =
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     s = timed(lambda: a @ b, device, iters, warmup=3)
-    return 2 * n ** 3 / s / 1e12
+    return 2 * n**3 / s / 1e12
 
 
 def load_target_yaml(name: str):
     from omegaconf import OmegaConf
 
     from dflash.config import TargetConfig
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    raw = OmegaConf.to_container(OmegaConf.load(os.path.join(root, "conf", "target", f"{name}.yaml")), resolve=True)
+    raw = OmegaConf.to_container(
+        OmegaConf.load(os.path.join(root, "conf", "target", f"{name}.yaml")), resolve=True
+    )
     return TargetConfig(**raw)
 
 
 def report(res: dict, out=None) -> None:
     """Print the figures one per line and optionally write them as JSON."""
     import json
+
     w = max(len(k) for k in res)
     for k, v in res.items():
         print(f"{k:>{w}}: {v:.4g}" if isinstance(v, float) else f"{k:>{w}}: {v}")

@@ -8,21 +8,21 @@ A row may hold several samples (segment_ids_NT, -1 = padding); position_ids rest
 Block k (1..B-1) of anchor a predicts the token at a+k; its hard label is the target's greedy
 prediction for a+k, i.e. next_token[a+k-1] from the clean forward (no shift beyond that).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 
 @dataclass
 class Blocks:
-    anchors_NA: torch.Tensor       # absolute index of each anchor in its row; valid_NA marks real ones
+    anchors_NA: torch.Tensor  # absolute index of each anchor in its row; valid_NA marks real ones
     valid_NA: torch.Tensor
-    block_ids_NQ: torch.Tensor     # [token(anchor), MASK x (B-1)] per anchor
-    block_pos_NQ: torch.Tensor     # position ids anchor_pos .. anchor_pos+B-1
-    masks: dict                    # layer_type -> bool [N, 1, Q, T+Q]
+    block_ids_NQ: torch.Tensor  # [token(anchor), MASK x (B-1)] per anchor
+    block_pos_NQ: torch.Tensor  # position ids anchor_pos .. anchor_pos+B-1
+    masks: dict  # layer_type -> bool [N, 1, Q, T+Q]
 
 
 def candidate_anchors(segment_ids_NT: torch.Tensor, loss_mask_NT: torch.Tensor) -> torch.Tensor:
@@ -58,14 +58,22 @@ def pad_anchors(rows: list, device) -> tuple[torch.Tensor, torch.Tensor]:
     anchors = torch.zeros(len(rows), A, dtype=torch.long)
     valid = torch.zeros(len(rows), A, dtype=torch.bool)
     for n, r in enumerate(rows):
-        anchors[n, :r.numel()] = r
-        valid[n, :r.numel()] = True
+        anchors[n, : r.numel()] = r
+        valid[n, : r.numel()] = True
     return anchors.to(device), valid.to(device)
 
 
-def build_blocks(input_ids_NT: torch.Tensor, position_ids_NT: torch.Tensor,
-                 segment_ids_NT: torch.Tensor, anchors_NA: torch.Tensor, valid_NA: torch.Tensor,
-                 block_size: int, mask_token_id: int, layer_types: list, sliding_window: int) -> Blocks:
+def build_blocks(
+    input_ids_NT: torch.Tensor,
+    position_ids_NT: torch.Tensor,
+    segment_ids_NT: torch.Tensor,
+    anchors_NA: torch.Tensor,
+    valid_NA: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    layer_types: list,
+    sliding_window: int,
+) -> Blocks:
     N, T = input_ids_NT.shape
     A, B = anchors_NA.shape[1], block_size
     dev = input_ids_NT.device
@@ -74,15 +82,30 @@ def build_blocks(input_ids_NT: torch.Tensor, position_ids_NT: torch.Tensor,
     block_ids[:, :, 0] = input_ids_NT.gather(1, anchors_NA)
     anchor_pos_NA = position_ids_NT.gather(1, anchors_NA)
     block_pos = anchor_pos_NA[:, :, None] + k_B
-    masks = {t: block_attention_mask(anchors_NA, valid_NA, position_ids_NT, segment_ids_NT, B,
-                                     causal_in_block=(t == "sliding_attention"),
-                                     window=sliding_window if t == "sliding_attention" else None)
-             for t in set(layer_types)}
+    masks = {
+        t: block_attention_mask(
+            anchors_NA,
+            valid_NA,
+            position_ids_NT,
+            segment_ids_NT,
+            B,
+            causal_in_block=(t == "sliding_attention"),
+            window=sliding_window if t == "sliding_attention" else None,
+        )
+        for t in set(layer_types)
+    }
     return Blocks(anchors_NA, valid_NA, block_ids.view(N, A * B), block_pos.view(N, A * B), masks)
 
 
-def block_attention_mask(anchors_NA, valid_NA, position_ids_NT, segment_ids_NT, block_size: int,
-                         causal_in_block: bool, window: Optional[int]) -> torch.Tensor:
+def block_attention_mask(
+    anchors_NA,
+    valid_NA,
+    position_ids_NT,
+    segment_ids_NT,
+    block_size: int,
+    causal_in_block: bool,
+    window: int | None,
+) -> torch.Tensor:
     """bool [N, 1, Q, T+Q]. Query (a, i) sees context j iff j < a, j is in a's sample and, with a
     window, pos(a)+i - pos(j) < window; it sees block keys (a', i') iff a' == a and (full layer or
     i' <= i). Blocks never see each other, and nothing at or after the anchor leaks in."""
@@ -92,28 +115,40 @@ def block_attention_mask(anchors_NA, valid_NA, position_ids_NT, segment_ids_NT, 
     j_T = torch.arange(T, device=dev)
     i_B = torch.arange(B, device=dev)
     seg_anchor_NA = segment_ids_NT.gather(1, anchors_NA)
-    ctx = (j_T[None, None, :] < anchors_NA[:, :, None]) \
-        & (segment_ids_NT[:, None, :] == seg_anchor_NA[:, :, None]) \
-        & valid_NA[:, :, None]                                               # [N, A, T]
+    ctx = (
+        (j_T[None, None, :] < anchors_NA[:, :, None])
+        & (segment_ids_NT[:, None, :] == seg_anchor_NA[:, :, None])
+        & valid_NA[:, :, None]
+    )  # [N, A, T]
     ctx = ctx[:, :, None, :].expand(N, A, B, T)
     if window is not None:
         qpos_NAB = position_ids_NT.gather(1, anchors_NA)[:, :, None] + i_B
         dist = qpos_NAB[..., None] - position_ids_NT[:, None, None, :]
         ctx = ctx & (dist < window)
-    intra_BB = (i_B[None, :] <= i_B[:, None]) if causal_in_block else torch.ones(B, B, dtype=torch.bool, device=dev)
+    intra_BB = (
+        (i_B[None, :] <= i_B[:, None])
+        if causal_in_block
+        else torch.ones(B, B, dtype=torch.bool, device=dev)
+    )
     eye_AA = torch.eye(A, dtype=torch.bool, device=dev)
-    blk = eye_AA[:, None, :, None] & intra_BB[None, :, None, :]             # [A, B, A, B]
+    blk = eye_AA[:, None, :, None] & intra_BB[None, :, None, :]  # [A, B, A, B]
     blk = blk.reshape(A * B, A * B)[None].expand(N, -1, -1)
     return torch.cat([ctx.reshape(N, A * B, T), blk], dim=-1)[:, None]
 
 
-def block_labels(next_token_NT: torch.Tensor, loss_mask_NT: torch.Tensor, segment_ids_NT: torch.Tensor,
-                 anchors_NA: torch.Tensor, valid_NA: torch.Tensor, block_size: int):
+def block_labels(
+    next_token_NT: torch.Tensor,
+    loss_mask_NT: torch.Tensor,
+    segment_ids_NT: torch.Tensor,
+    anchors_NA: torch.Tensor,
+    valid_NA: torch.Tensor,
+    block_size: int,
+):
     """labels_NAk, valid_NAk for k = 1..B-1: label = next_token[a+k-1] (the target's greedy token
     for position a+k); valid when a+k is a response token of the anchor's sample."""
     N, T = next_token_NT.shape
     k = torch.arange(1, block_size, device=anchors_NA.device)
-    tgt_NAk = anchors_NA[:, :, None] + k                                     # position a+k
+    tgt_NAk = anchors_NA[:, :, None] + k  # position a+k
     in_row = tgt_NAk < T
     tgt_c = tgt_NAk.clamp(max=T - 1)
     flat = lambda x: x.reshape(N, -1)

@@ -5,6 +5,7 @@ train_state.pt}  and  <run_dir>/checkpoints/latest  (a text file naming the newe
 A step directory is written under a temporary name and renamed into place, so a crash leaves
 either the previous checkpoint or the new one, never a half-written one.
 """
+
 from __future__ import annotations
 
 import glob
@@ -12,7 +13,6 @@ import json
 import os
 import random
 import shutil
-from typing import Optional
 
 import numpy as np
 import torch
@@ -36,8 +36,10 @@ def save_drafter(path: str, drafter: DFlashDrafter, dtype: torch.dtype = torch.b
 def read_drafter_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path}: no config.json; expected a DFlash drafter directory "
-                                "(config.json + model.safetensors)")
+        raise FileNotFoundError(
+            f"{path}: no config.json; expected a DFlash drafter directory "
+            "(config.json + model.safetensors)"
+        )
     try:
         with open(cfg_path) as f:
             return json.load(f)
@@ -60,32 +62,49 @@ def load_drafter(path: str, device="cpu", strict: bool = True) -> tuple[DFlashDr
                 for k in f.keys():
                     tensors[k.removeprefix("model.")] = f.get_tensor(k)
         except Exception as e:  # safetensors raises several types for corrupt files
-            raise ValueError(f"{fn} is not a readable safetensors file ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"{fn} is not a readable safetensors file ({type(e).__name__}: {e})"
+            ) from None
     fc = tensors.get("fc.weight")
     if fc is not None and fc.shape[1] % spec.hidden_size == 0:
         k = fc.shape[1] // spec.hidden_size
         if k != spec.num_aux:
-            raise ValueError(f"{path}: fc input {fc.shape[1]} = {k} target layers but "
-                             f"dflash_config.target_layer_ids has {spec.num_aux}")
+            raise ValueError(
+                f"{path}: fc input {fc.shape[1]} = {k} target layers but "
+                f"dflash_config.target_layer_ids has {spec.num_aux}"
+            )
     drafter = DFlashDrafter(spec)
     own = drafter.state_dict()
     loaded = [k for k in tensors if k in own]
     unexpected = sorted(k for k in tensors if k not in own)
     missing = sorted(k for k in own if k not in tensors)
-    bad_shape = [f"{k}: {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}" for k in loaded
-                 if tensors[k].shape != own[k].shape]
+    bad_shape = [
+        f"{k}: {tuple(tensors[k].shape)} vs {tuple(own[k].shape)}"
+        for k in loaded
+        if tensors[k].shape != own[k].shape
+    ]
     if bad_shape:
         raise ValueError(f"{path}: weight shapes do not match config.json: {bad_shape[:3]}")
     if strict and missing:
-        raise ValueError(f"{path}: missing drafter weights {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        raise ValueError(
+            f"{path}: missing drafter weights {missing[:5]}{'...' if len(missing) > 5 else ''}"
+        )
     drafter.load_state_dict({k: tensors[k].float() for k in loaded}, strict=False)
-    report = {"loaded": len(loaded), "missing": missing, "skipped": unexpected,
-              "fc_input": int(fc.shape[1]) if fc is not None else None}
+    report = {
+        "loaded": len(loaded),
+        "missing": missing,
+        "skipped": unexpected,
+        "fc_input": int(fc.shape[1]) if fc is not None else None,
+    }
     return drafter.to(device), report
 
 
 def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    st = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
@@ -99,8 +118,14 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(run_dir: str, step: int, drafter: DFlashDrafter, train_state: dict,
-                    keep_last: int = 2, extra: Optional[dict] = None) -> str:
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    drafter: DFlashDrafter,
+    train_state: dict,
+    keep_last: int = 2,
+    extra: dict | None = None,
+) -> str:
     root = os.path.join(run_dir, "checkpoints")
     os.makedirs(root, exist_ok=True)
     name = f"step_{step:08d}"
@@ -108,9 +133,19 @@ def save_checkpoint(run_dir: str, step: int, drafter: DFlashDrafter, train_state
     tmp = os.path.join(root, f".{name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(tmp, drafter)  # bf16 serving weights; fp32 master weights go with the resume state
-    master = {k: v.detach().to("cpu", torch.float32).clone() for k, v in drafter.state_dict().items()}
-    torch.save({"trainer": train_state, "rng": _rng_state(), "step": step, "drafter_fp32": master,
-                **(extra or {})}, os.path.join(tmp, STATE_FILE))
+    master = {
+        k: v.detach().to("cpu", torch.float32).clone() for k, v in drafter.state_dict().items()
+    }
+    torch.save(
+        {
+            "trainer": train_state,
+            "rng": _rng_state(),
+            "step": step,
+            "drafter_fp32": master,
+            **(extra or {}),
+        },
+        os.path.join(tmp, STATE_FILE),
+    )
     if os.path.exists(final):  # move the old one aside first: `final` is never half-written
         old = os.path.join(root, f".{name}.old{os.getpid()}")
         os.replace(final, old)
@@ -139,19 +174,30 @@ def find_checkpoint(path: str) -> str:
                 cand = os.path.join(root, f.read().strip())
             if os.path.isfile(os.path.join(cand, STATE_FILE)):
                 return cand
-    for root in (os.path.join(path, "checkpoints"), path):  # `latest` lost: newest complete step dir
-        steps = sorted(d for d in (os.listdir(root) if os.path.isdir(root) else []) if d.startswith("step_")
-                       and os.path.isfile(os.path.join(root, d, STATE_FILE)))
+    for root in (
+        os.path.join(path, "checkpoints"),
+        path,
+    ):  # `latest` lost: newest complete step dir
+        steps = sorted(
+            d
+            for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, STATE_FILE))
+        )
         if steps:
             return os.path.join(root, steps[-1])
-    raise FileNotFoundError(f"no resumable checkpoint under {path!r} (expected a step_* directory "
-                            f"with {STATE_FILE}, or a run directory with checkpoints/latest)")
+    raise FileNotFoundError(
+        f"no resumable checkpoint under {path!r} (expected a step_* directory "
+        f"with {STATE_FILE}, or a run directory with checkpoints/latest)"
+    )
 
 
 def latest_run_checkpoint(out_root: str, exp_name: str, exclude: str) -> str:
     """resume=true: the newest checkpoint of a previous run of this experiment."""
-    runs = [d for d in glob.glob(os.path.join(out_root, f"{exp_name}-*"))
-            if os.path.abspath(d) != os.path.abspath(exclude)]
+    runs = [
+        d
+        for d in glob.glob(os.path.join(out_root, f"{exp_name}-*"))
+        if os.path.abspath(d) != os.path.abspath(exclude)
+    ]
     found = []
     for d in runs:
         try:
@@ -160,8 +206,10 @@ def latest_run_checkpoint(out_root: str, exp_name: str, exclude: str) -> str:
         except FileNotFoundError:
             continue
     if not found:
-        raise FileNotFoundError(f"resume=true but no checkpoint of a run named {exp_name}-* under "
-                                f"{out_root!r}; pass resume=/path/to/run_or_step_dir")
+        raise FileNotFoundError(
+            f"resume=true but no checkpoint of a run named {exp_name}-* under "
+            f"{out_root!r}; pass resume=/path/to/run_or_step_dir"
+        )
     return max(found)[1]
 
 

@@ -1,4 +1,5 @@
 """Hydra glue for the entry points: resolvers, composition errors, typed config."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,10 @@ def run_id() -> str:
         if v and v != "none":
             return v
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("several processes but no shared run id: pass run_name=NAME (or torchrun "
-                         "--rdzv-id ID, or set DFLASH_RUN_ID) so every rank writes to the same run dir")
+        raise ValueError(
+            "several processes but no shared run id: pass run_name=NAME (or torchrun "
+            "--rdzv-id ID, or set DFLASH_RUN_ID) so every rank writes to the same run dir"
+        )
     return time.strftime("%Y%m%d-%H%M%S")
 
 
@@ -40,9 +43,9 @@ def typed(cfg):
         key = getattr(e, "full_key", None) or str(e)
         hint = {
             "target.path": "set target.path=/path/to/the/target/weights (a local Hugging Face "
-                           "directory; nothing is downloaded at run time), or pick a tiny target: "
-                           "target=tiny_qwen3_5",
+            "directory; nothing is downloaded at run time), or pick a tiny target: "
+            "target=tiny_qwen3_5",
             "data.paths": "set data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
-                          "field), or data=selfgen for the target's own text on random prompts",
+            "field), or data=selfgen for the target's own text on random prompts",
         }.get(key, f"set {key}=... on the command line")
         raise SystemExit(f"error: missing config value {key}: {hint}") from None

@@ -5,11 +5,12 @@ unknown key fails at composition with the key's name. Below the entry points not
 DictConfig: `to_run_config` converts once and `RunConfig.validate` checks cross-field rules,
 raising ValueError that names the dotted key and what is allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 LINEAR_ATTN_BACKENDS = ("auto", "fla", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -24,19 +25,20 @@ class TargetConfig:
     Exactly one of `path` (a local Hugging Face directory or GGUF folder) and `config`
     (a HF config dict: random weights, for tests, demos and benchmarks) must be set.
     """
+
     name: str = "tiny_qwen3_5"
-    path: Optional[str] = None
-    gguf_file: Optional[str] = None
-    config: Optional[Dict[str, Any]] = None
+    path: str | None = None
+    gguf_file: str | None = None
+    config: dict[str, Any] | None = None
     init_seed: int = 0
-    init_std: Optional[float] = None  # random weights: override initializer_range
+    init_std: float | None = None  # random weights: override initializer_range
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     linear_attn_backend: str = "auto"  # auto | fla | torch (Gated-DeltaNet kernels)
     attn_implementation: str = "sdpa"
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
     # token, or vocab_size-1 for tokenizer-less random targets.
-    mask_token_id: Optional[int] = None
+    mask_token_id: int | None = None
     # Text conventions of the target (pitfall 6): the same settings are used for
     # regenerated training data and for eval prompts.
     chat_template: bool = False
@@ -48,26 +50,26 @@ class DrafterConfig:
     num_layers: int = 1
     # Per-layer attention type; None = all full_attention. Full layers are bidirectional inside
     # the block, sliding layers causal inside the block with `sliding_window`.
-    layer_types: Optional[List[str]] = None
+    layer_types: list[str] | None = None
     sliding_window: int = 2048
     # Target layers feeding the drafter (layer l = output of decoder layer l = HF
     # hidden_states[l + 1]). None = `num_aux_layers` evenly spaced over 1..L-3.
-    target_layer_ids: Optional[List[int]] = None
+    target_layer_ids: list[int] | None = None
     num_aux_layers: int = 5
     block_size: int = 16
-    mask_token_id: Optional[int] = None  # None: target.mask_token_id (see there)
+    mask_token_id: int | None = None  # None: target.mask_token_id (see there)
     # Shape; None = copy from the target.
-    hidden_size: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     init_std: float = 0.02
     # Initialise from an existing drafter checkpoint directory (serving format).
-    init_from: Optional[str] = None
+    init_from: str | None = None
 
 
 @dataclass
@@ -76,7 +78,7 @@ class DataConfig:
     # jsonl / parquet: prompts from local files (`prompt` or `messages` field).
     # stdlib: functions/classes of the CPython standard library turned into completion prompts.
     source: str = "selfgen"
-    paths: List[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     prompt_field: str = "prompt"
     num_samples: int = 256
     prompt_len: int = 16
@@ -86,10 +88,10 @@ class DataConfig:
     regen_batch_size: int = 32
     regen_temperature: float = 0.0
     seed: int = 1234
-    cache_dir: Optional[str] = None  # default: <run_dir>/data
+    cache_dir: str | None = None  # default: <run_dir>/data
     # Pack samples first-fit into rows of this many tokens (None: one sample per row, padded).
     # The target still runs each sample alone; the drafter's masks keep samples apart.
-    pack_to: Optional[int] = None
+    pack_to: int | None = None
 
 
 @dataclass
@@ -102,11 +104,11 @@ class TrainConfig:
     min_lr_ratio: float = 0.0
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     clip_grad: float = 1.0
     loss: str = "hard_ce"
     allow_soft_loss: bool = False  # soft KL must be chosen explicitly (pitfall 3)
-    gamma: Optional[float] = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
+    gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
     noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
     lm_head_chunk: int = 2048  # positions per chunk of the (checkpointed) lm_head + CE
@@ -122,11 +124,11 @@ class EvalConfig:
     enabled: bool = True
     num_prompts: int = 8
     completion_len: int = 96
-    budgets: List[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
+    budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
     batch_size: int = 4
     seed: int = 4321
-    source: Optional[str] = None  # None: the training source, rows training does not use
-    paths: List[str] = field(default_factory=list)
+    source: str | None = None  # None: the training source, rows training does not use
+    paths: list[str] = field(default_factory=list)
     show_rounds: int = 2  # rounds printed per prompt in the table
 
 
@@ -134,18 +136,21 @@ class EvalConfig:
 class LoggerConfig:
     kind: str = "console"  # console | wandb | none
     project: str = "dflash"
-    entity: Optional[str] = None
+    entity: str | None = None
     mode: str = "auto"  # auto: online when credentials exist, else offline
-    tags: List[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass
 class TopologyConfig:
     """Process layout of a torch.distributed job (see docs/pipeline.md)."""
+
     mode: str = "colocated"  # colocated | split
     num_target_ranks: int = 0  # split: first T ranks run the target, the rest train
     window: int = 2  # batches in flight per worker->trainer link (backpressure); also the trainer's prefetch depth
-    timeout_s: float = 600.0  # a silent peer for this long stops the run (must exceed eval/checkpoint pauses)
+    timeout_s: float = (
+        600.0  # a silent peer for this long stops the run (must exceed eval/checkpoint pauses)
+    )
     on_bad_batch: str = "skip"  # skip | stop  (NaN/inf aux states)
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     # Startup (target load, data regeneration/reading on rank 0, checkpoint load) may take this long
@@ -158,9 +163,9 @@ class RunConfig:
     exp_name: str = "smoke"
     run_name: str = "smoke"
     out_root: str = "outputs"
-    resume: Optional[str] = None  # None | "true" | PATH
-    ckpt: Optional[str] = None  # eval.py: drafter checkpoint directory (ours or z-lab format)
-    out: Optional[str] = None  # eval.py: also write all figures to this JSON file
+    resume: str | None = None  # None | "true" | PATH
+    ckpt: str | None = None  # eval.py: drafter checkpoint directory (ours or z-lab format)
+    out: str | None = None  # eval.py: also write all figures to this JSON file
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -169,13 +174,17 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
-    def validate(self) -> "RunConfig":
-        _check_choice("target.linear_attn_backend", self.target.linear_attn_backend, LINEAR_ATTN_BACKENDS)
+    def validate(self) -> RunConfig:
+        _check_choice(
+            "target.linear_attn_backend", self.target.linear_attn_backend, LINEAR_ATTN_BACKENDS
+        )
         _check_choice("target.dtype", self.target.dtype, DTYPES)
         _check_choice("train.dtype", self.train.dtype, DTYPES)
         _check_choice("train.loss", self.train.loss, LOSSES)
         _check_choice("data.too_long", self.data.too_long, ("truncate", "drop"))
-        _check_choice("data.source", self.data.source, ("selfgen", "jsonl", "parquet", "stdlib", "humaneval"))
+        _check_choice(
+            "data.source", self.data.source, ("selfgen", "jsonl", "parquet", "stdlib", "humaneval")
+        )
         _check_choice("logger.kind", self.logger.kind, ("console", "wandb", "none"))
         _check_choice("topology.mode", self.topology.mode, ("colocated", "split"))
         _check_choice("topology.on_bad_batch", self.topology.on_bad_batch, ("skip", "stop"))
@@ -183,54 +192,80 @@ class RunConfig:
             raise ValueError(
                 f"target.path is not set (target={self.target.name}): set target.path=/path/to/the/"
                 "weights (a local Hugging Face directory; nothing is downloaded at run time), or pick "
-                "a tiny random target, e.g. target=tiny_qwen3_5")
+                "a tiny random target, e.g. target=tiny_qwen3_5"
+            )
         if self.data.source in ("jsonl", "parquet") and not self.data.paths:
-            raise ValueError(f"data.paths is empty for data.source={self.data.source}: set "
-                             "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
-                             "field), or data=selfgen for the target's own text on random prompts")
+            raise ValueError(
+                f"data.paths is empty for data.source={self.data.source}: set "
+                "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
+                "field), or data=selfgen for the target's own text on random prompts"
+            )
         if self.target.path is not None and self.target.config is not None:
             raise ValueError(
                 "target: set exactly one of target.path (local weights) and target.config "
                 f"(random weights from a config); got path={self.target.path!r}, "
-                f"config={'set' if self.target.config else None}")
+                f"config={'set' if self.target.config else None}"
+            )
         if self.train.loss == "soft_kl" and not self.train.allow_soft_loss:
             raise ValueError(
                 "train.loss=soft_kl trains a soft objective while acceptance is judged by argmax "
                 "(pitfall 3). Hard CE is the default; to train soft KL anyway, also set "
-                "train.allow_soft_loss=true (it is logged).")
+                "train.allow_soft_loss=true (it is logged)."
+            )
         d = self.drafter
         if d.block_size < 2:
             raise ValueError(f"drafter.block_size must be >= 2, got {d.block_size}")
         if d.num_layers < 1:
             raise ValueError(f"drafter.num_layers must be >= 1, got {d.num_layers}")
-        if d.layer_types and "sliding_attention" in d.layer_types and d.sliding_window < d.block_size:
-            raise ValueError(f"drafter.sliding_window={d.sliding_window} is smaller than drafter.block_size="
-                             f"{d.block_size}; a sliding layer must see its whole block prefix")
+        if (
+            d.layer_types
+            and "sliding_attention" in d.layer_types
+            and d.sliding_window < d.block_size
+        ):
+            raise ValueError(
+                f"drafter.sliding_window={d.sliding_window} is smaller than drafter.block_size="
+                f"{d.block_size}; a sliding layer must see its whole block prefix"
+            )
         if d.layer_types is not None:
             if len(d.layer_types) != d.num_layers:
                 raise ValueError(
                     f"drafter.layer_types has {len(d.layer_types)} entries but drafter.num_layers="
-                    f"{d.num_layers}; give one of {LAYER_TYPES} per layer")
+                    f"{d.num_layers}; give one of {LAYER_TYPES} per layer"
+                )
             for i, t in enumerate(d.layer_types):
                 _check_choice(f"drafter.layer_types[{i}]", t, LAYER_TYPES)
         if self.train.gamma is not None and not self.train.gamma > 0:
-            raise ValueError(f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.train.gamma}")
+            raise ValueError(
+                f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.train.gamma}"
+            )
         if len(self.train.betas) != 2:
             raise ValueError(f"train.betas must have two values, got {list(self.train.betas)}")
         heads, kv = d.num_attention_heads, d.num_key_value_heads
         if heads and kv and heads % kv:
-            raise ValueError(f"drafter.num_attention_heads={heads} must be a multiple of "
-                             f"drafter.num_key_value_heads={kv}")
+            raise ValueError(
+                f"drafter.num_attention_heads={heads} must be a multiple of "
+                f"drafter.num_key_value_heads={kv}"
+            )
         if d.head_dim is not None and d.head_dim % 2:
             raise ValueError(f"drafter.head_dim={d.head_dim} must be even (rotary embedding)")
-        for key in ("steps", "micro_batch_size", "grad_accum", "max_anchors", "log_every", "eval_every",
-                    "save_every", "lm_head_chunk"):
+        for key in (
+            "steps",
+            "micro_batch_size",
+            "grad_accum",
+            "max_anchors",
+            "log_every",
+            "eval_every",
+            "save_every",
+            "lm_head_chunk",
+        ):
             if getattr(self.train, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self.train, key)}")
         if self.data.pack_to is not None and self.data.pack_to < self.data.max_length:
-            raise ValueError(f"data.pack_to={self.data.pack_to} is shorter than data.max_length="
-                             f"{self.data.max_length}: a full-length sample would not fit in a row; "
-                             "set data.pack_to >= data.max_length or null (no packing)")
+            raise ValueError(
+                f"data.pack_to={self.data.pack_to} is shorter than data.max_length="
+                f"{self.data.max_length}: a full-length sample would not fit in a row; "
+                "set data.pack_to >= data.max_length or null (no packing)"
+            )
         if self.topology.window < 1:
             raise ValueError(f"topology.window must be >= 1, got {self.topology.window}")
         return self
@@ -247,9 +282,15 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunConfig)
-    for group, node in (("target", TargetConfig), ("drafter", DrafterConfig), ("data", DataConfig),
-                        ("train", TrainConfig), ("eval", EvalConfig), ("logger", LoggerConfig),
-                        ("topology", TopologyConfig)):
+    for group, node in (
+        ("target", TargetConfig),
+        ("drafter", DrafterConfig),
+        ("data", DataConfig),
+        ("train", TrainConfig),
+        ("eval", EvalConfig),
+        ("logger", LoggerConfig),
+        ("topology", TopologyConfig),
+    ):
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
@@ -263,9 +304,15 @@ def to_run_config(cfg: Any) -> RunConfig:
         raise ValueError(f"unknown top-level config key {k!r}")
     kwargs = {}
     for name, value in raw.items():
-        cls = {"target": TargetConfig, "drafter": DrafterConfig, "data": DataConfig,
-               "train": TrainConfig, "eval": EvalConfig, "logger": LoggerConfig,
-               "topology": TopologyConfig}.get(name)
+        cls = {
+            "target": TargetConfig,
+            "drafter": DrafterConfig,
+            "data": DataConfig,
+            "train": TrainConfig,
+            "eval": EvalConfig,
+            "logger": LoggerConfig,
+            "topology": TopologyConfig,
+        }.get(name)
         kwargs[name] = cls(**value) if cls is not None else value
     if kwargs.get("resume") is not None:
         kwargs["resume"] = str(kwargs["resume"])

@@ -6,20 +6,29 @@ template is applied later, by dflash.data.encode_prompts, from the target config
 
 HumanEval is held out: `check_training_source` refuses it as training data.
 """
+
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import json
-import functools
 import os
 import random
 import sysconfig
-from typing import Optional
 
 INSTRUCTION = "Complete the following Python code."
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
-              "_bundled", "turtledemo", "__phello__"}
+_SKIP_DIRS = {
+    "site-packages",
+    "dist-packages",
+    "test",
+    "tests",
+    "idle_test",
+    "__pycache__",
+    "_bundled",
+    "turtledemo",
+    "__phello__",
+}
 
 
 def completion_prompt(code: str, raw: bool = False) -> str:
@@ -29,13 +38,17 @@ def completion_prompt(code: str, raw: bool = False) -> str:
 
 
 # ----------------------------------------------------------------------------- stdlib
-def stdlib_files(root: Optional[str] = None) -> list[str]:
+def stdlib_files(root: str | None = None) -> list[str]:
     """Sorted *.py files of the standard library (no tests, no site-packages)."""
     root = root or sysconfig.get_paths()["stdlib"]
     out = []
     for d, dirs, files in os.walk(root):
         dirs[:] = sorted(x for x in dirs if x not in _SKIP_DIRS and not x.startswith("config-"))
-        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py") and not f.startswith("test_")]
+        out += [
+            os.path.join(d, f)
+            for f in sorted(files)
+            if f.endswith(".py") and not f.startswith("test_")
+        ]
     return sorted(out)
 
 
@@ -57,7 +70,9 @@ def stdlib_items(path: str) -> list[str]:
             items.append(_stub(node, lines))
             header = _header(node, lines)
             for sub in node.body:
-                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and not sub.name.startswith("__"):
+                if isinstance(
+                    sub, (ast.FunctionDef, ast.AsyncFunctionDef)
+                ) and not sub.name.startswith("__"):
                     stub = _stub(sub, lines)
                     if stub:
                         items.append(header + "\n" + stub)
@@ -66,31 +81,35 @@ def stdlib_items(path: str) -> list[str]:
 
 def _header(node, lines: list[str]) -> str:
     start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno]) - 1
-    return "\n".join(lines[start:node.body[0].lineno - 1]).rstrip()
+    return "\n".join(lines[start : node.body[0].lineno - 1]).rstrip()
 
 
-def _stub(node, lines: list[str]) -> Optional[str]:
+def _stub(node, lines: list[str]) -> str | None:
     """Signature + docstring, or None when the node has no docstring."""
     if not node.body or ast.get_docstring(node) is None:
         return None
     doc = node.body[0]
     start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
-    return "\n".join(lines[start:doc.end_lineno]) + "\n"
+    return "\n".join(lines[start : doc.end_lineno]) + "\n"
 
 
 @functools.lru_cache(maxsize=4)
-def stdlib_corpus(root: Optional[str] = None) -> tuple[str, ...]:
+def stdlib_corpus(root: str | None = None) -> tuple[str, ...]:
     """Every completion stub of the standard library, in file order (~1.5 s to parse)."""
     files = stdlib_files(root)
     if not files:
-        raise FileNotFoundError(f"no standard-library sources under {root or sysconfig.get_paths()['stdlib']}")
+        raise FileNotFoundError(
+            f"no standard-library sources under {root or sysconfig.get_paths()['stdlib']}"
+        )
     items = tuple(dict.fromkeys(s for path in files for s in stdlib_items(path)))
     if not items:
         raise ValueError("the standard library yielded no documented function or class")
     return items
 
 
-def stdlib_prompts(num: int, seed: int = 0, root: Optional[str] = None, raw: bool = False) -> list[str]:
+def stdlib_prompts(
+    num: int, seed: int = 0, root: str | None = None, raw: bool = False
+) -> list[str]:
     """`num` distinct completion prompts sampled from the standard library, deterministic for a
     seed and a Python version. Asking for more than the corpus holds returns all of it."""
     if num < 1:
@@ -102,31 +121,44 @@ def stdlib_prompts(num: int, seed: int = 0, root: Optional[str] = None, raw: boo
 
 # ----------------------------------------------------------------------------- HumanEval
 def assets_dir() -> str:
-    return os.environ.get("DFLASH_ASSETS") or os.path.join(os.path.expanduser("~"), ".cache", "dflash")
+    return os.environ.get("DFLASH_ASSETS") or os.path.join(
+        os.path.expanduser("~"), ".cache", "dflash"
+    )
 
 
-def humaneval_path(path: Optional[str] = None) -> str:
-    path = os.path.expanduser(path) if path else os.path.join(assets_dir(), "humaneval", "HumanEval.jsonl.gz")
+def humaneval_path(path: str | None = None) -> str:
+    path = (
+        os.path.expanduser(path)
+        if path
+        else os.path.join(assets_dir(), "humaneval", "HumanEval.jsonl.gz")
+    )
     if not os.path.exists(path):
-        raise FileNotFoundError(f"HumanEval not found at {path}; fetch it with "
-                                "`bash ../shared/scripts/fetch_models.sh humaneval` (or set DFLASH_ASSETS)")
+        raise FileNotFoundError(
+            f"HumanEval not found at {path}; fetch it with "
+            "`bash ../shared/scripts/fetch_models.sh humaneval` (or set DFLASH_ASSETS)"
+        )
     return path
 
 
-def humaneval_problems(path: Optional[str] = None) -> list[dict]:
+def humaneval_problems(path: str | None = None) -> list[dict]:
     path = humaneval_path(path)
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    bad = [r.get("task_id") for r in rows if not str(r.get("task_id", "")).startswith("HumanEval/")
-           or "prompt" not in r]
+    bad = [
+        r.get("task_id")
+        for r in rows
+        if not str(r.get("task_id", "")).startswith("HumanEval/") or "prompt" not in r
+    ]
     if bad or not rows:
-        raise ValueError(f"{path} is not HumanEval (rows need task_id 'HumanEval/N' and a prompt); "
-                         "fetch it with `bash ../shared/scripts/fetch_models.sh humaneval`")
+        raise ValueError(
+            f"{path} is not HumanEval (rows need task_id 'HumanEval/N' and a prompt); "
+            "fetch it with `bash ../shared/scripts/fetch_models.sh humaneval`"
+        )
     return rows
 
 
-def humaneval_prompts(path: Optional[str] = None, raw: bool = False) -> list[str]:
+def humaneval_prompts(path: str | None = None, raw: bool = False) -> list[str]:
     """The 164 HumanEval prompts in task order, in the shared completion format."""
     return [completion_prompt(r["prompt"], raw) for r in humaneval_problems(path)]
 
@@ -138,10 +170,14 @@ HELD_OUT_SOURCES = ("humaneval",)
 def check_training_source(source: str, paths=()) -> None:
     """Refuse held-out eval data as training data (by source, or by a file that is HumanEval)."""
     if source in HELD_OUT_SOURCES:
-        raise ValueError(f"data.source={source} is held out for evaluation and never used as training "
-                         "data; train on data.source=stdlib/jsonl/parquet/selfgen and evaluate with "
-                         f"eval.source={source}")
+        raise ValueError(
+            f"data.source={source} is held out for evaluation and never used as training "
+            "data; train on data.source=stdlib/jsonl/parquet/selfgen and evaluate with "
+            f"eval.source={source}"
+        )
     for p in paths or ():
         if "humaneval" in os.path.basename(str(p)).lower().replace("-", "").replace("_", ""):
-            raise ValueError(f"data.paths contains {p}, which looks like HumanEval: it is held out for "
-                             "evaluation (eval.source=humaneval) and never used as training data")
+            raise ValueError(
+                f"data.paths contains {p}, which looks like HumanEval: it is held out for "
+                "evaluation (eval.source=humaneval) and never used as training data"
+            )

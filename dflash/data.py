@@ -4,13 +4,14 @@ deterministic resumable sample stream.
 Samples are token ids (prompt + response) with a loss mask on the response. Responses are the
 target's own outputs, so the sequence's tokens and the target's greedy labels agree.
 """
+
 from __future__ import annotations
 
 import gzip
 import hashlib
 import json
 import os
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -20,7 +21,9 @@ from .config import DataConfig, TargetConfig
 
 
 # ----------------------------------------------------------------------------- prompts
-def random_prompts(num: int, length: int, vocab_size: int, exclude: Iterable[int], seed: int) -> list[list[int]]:
+def random_prompts(
+    num: int, length: int, vocab_size: int, exclude: Iterable[int], seed: int
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     bad = torch.tensor(sorted(set(exclude)), dtype=torch.long)
     out = []
@@ -37,9 +40,11 @@ def text_prompts(cfg: DataConfig) -> list:
     """Prompt strings or chat message lists from local jsonl/parquet files, or built-in corpora."""
     if cfg.source == "stdlib":
         from .corpora import stdlib_prompts
+
         return stdlib_prompts(cfg.num_samples, seed=cfg.seed)
     if cfg.source == "humaneval":
         from .corpora import humaneval_prompts
+
         return humaneval_prompts(cfg.paths[0] if cfg.paths else None)
     if not cfg.paths:
         raise ValueError(f"data.source={cfg.source} needs data.paths=[file, ...]")
@@ -63,8 +68,10 @@ def _jsonl_rows(cfg: DataConfig) -> list:
                 row = json.loads(line)
                 field = cfg.prompt_field if cfg.prompt_field in row else "messages"
                 if field not in row:
-                    raise ValueError(f"{path}:{n}: rows need a {cfg.prompt_field!r} or 'messages' field; "
-                                     f"found {sorted(row)} (set data.prompt_field)")
+                    raise ValueError(
+                        f"{path}:{n}: rows need a {cfg.prompt_field!r} or 'messages' field; "
+                        f"found {sorted(row)} (set data.prompt_field)"
+                    )
                 rows.append(row[field])
                 if len(rows) >= cfg.num_samples:
                     return rows
@@ -77,8 +84,10 @@ def _parquet_rows(cfg: DataConfig) -> list:
     ds = datasets.load_dataset("parquet", data_files=list(cfg.paths), split="train")
     field = cfg.prompt_field if cfg.prompt_field in ds.column_names else "messages"
     if field not in ds.column_names:
-        raise ValueError(f"data rows need a {cfg.prompt_field!r} or 'messages' field; "
-                         f"found {ds.column_names} (set data.prompt_field)")
+        raise ValueError(
+            f"data rows need a {cfg.prompt_field!r} or 'messages' field; "
+            f"found {ds.column_names} (set data.prompt_field)"
+        )
     return ds[field][: cfg.num_samples]
 
 
@@ -91,17 +100,26 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
     if tcfg.chat_template:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ValueError(f"target.chat_template=true but the tokenizer of target {tcfg.name!r} has no "
-                             "chat template; set target.chat_template=false to use raw prompts")
+            raise ValueError(
+                f"target.chat_template=true but the tokenizer of target {tcfg.name!r} has no "
+                "chat template; set target.chat_template=false to use raw prompts"
+            )
         if tcfg.enable_thinking and "enable_thinking" not in str(template):
-            raise ValueError(f"target.enable_thinking=true but the chat template of target {tcfg.name!r} "
-                             "has no thinking switch; set target.enable_thinking=false")
+            raise ValueError(
+                f"target.enable_thinking=true but the chat template of target {tcfg.name!r} "
+                "has no thinking switch; set target.enable_thinking=false"
+            )
     out = []
     for p in prompts:
         if tcfg.chat_template:
             msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False, enable_thinking=tcfg.enable_thinking)
+            ids = tokenizer.apply_chat_template(
+                msgs,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                enable_thinking=tcfg.enable_thinking,
+            )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             out.append(list(ids))
@@ -113,9 +131,17 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
 
 # ----------------------------------------------------------------------------- regeneration
 @torch.no_grad()
-def generate_greedy(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int,
-                    temperature: float = 0.0, desc: str = "regenerate", seed: int = 0,
-                    partial_path: Optional[str] = None, log=None) -> list[list[int]]:
+def generate_greedy(
+    target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
+    desc: str = "regenerate",
+    seed: int = 0,
+    partial_path: str | None = None,
+    log=None,
+) -> list[list[int]]:
     """Batched generation with the target (left padding), one response per prompt.
 
     Resumable: after every batch the responses so far go to `partial_path` (atomically, with a
@@ -123,34 +149,54 @@ def generate_greedy(target, prompts: list[list[int]], max_new_tokens: int, batch
     gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds)."""
     key = _regen_key(prompts, max_new_tokens, batch_size, temperature, seed)
     done = _load_partial(partial_path, key, log)
-    bar = tqdm(total=len(prompts), initial=len(done), desc=desc, unit="seq", leave=False,
-               disable=os.environ.get("DFLASH_NO_PROGRESS") == "1")
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(done),
+        desc=desc,
+        unit="seq",
+        leave=False,
+        disable=os.environ.get("DFLASH_NO_PROGRESS") == "1",
+    )
     for i in range(len(done), len(prompts), batch_size):
-        done += _generate_batch(target, prompts[i:i + batch_size], max_new_tokens, temperature, seed + i)
-        bar.update(len(prompts[i:i + batch_size]))
+        done += _generate_batch(
+            target, prompts[i : i + batch_size], max_new_tokens, temperature, seed + i
+        )
+        bar.update(len(prompts[i : i + batch_size]))
         if partial_path:
             _atomic_torch_save({"key": key, "responses": done}, partial_path)
     bar.close()
     return done
 
 
-def _generate_batch(target, chunk: list[list[int]], max_new_tokens: int, temperature: float,
-                    seed: int) -> list[list[int]]:
+def _generate_batch(
+    target, chunk: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+) -> list[list[int]]:
     tok = target.tokenizer
-    pad = (tok.pad_token_id if tok is not None and tok.pad_token_id is not None else
-           (tok.eos_token_id if tok is not None else target.mask_token_id))
+    pad = (
+        tok.pad_token_id
+        if tok is not None and tok.pad_token_id is not None
+        else (tok.eos_token_id if tok is not None else target.mask_token_id)
+    )
     eos = tok.eos_token_id if tok is not None else None
     L = max(len(p) for p in chunk)
     ids = torch.full((len(chunk), L), pad, dtype=torch.long)
     att = torch.zeros(len(chunk), L, dtype=torch.long)
     for r, p in enumerate(chunk):
-        ids[r, L - len(p):] = torch.tensor(p)
-        att[r, L - len(p):] = 1
-    kw = dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature)
+        ids[r, L - len(p) :] = torch.tensor(p)
+        att[r, L - len(p) :] = 1
+    kw = (
+        dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature)
+    )
     torch.manual_seed(seed)
-    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=att.to(target.device),
-                                max_new_tokens=max_new_tokens, min_new_tokens=1 if eos is None else 0,
-                                pad_token_id=pad, eos_token_id=eos, **kw)
+    out = target.model.generate(
+        input_ids=ids.to(target.device),
+        attention_mask=att.to(target.device),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=1 if eos is None else 0,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        **kw,
+    )
     responses = []
     for r in range(len(chunk)):
         resp = out[r, L:].tolist()
@@ -167,7 +213,7 @@ def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:
     return h.hexdigest()[:16]
 
 
-def _load_partial(path: Optional[str], key: str, log) -> list[list[int]]:
+def _load_partial(path: str | None, key: str, log) -> list[list[int]]:
     if not path or not os.path.exists(path):
         return []
     state = torch.load(path)
@@ -186,8 +232,13 @@ def _atomic_torch_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def build_samples(prompts: list[list[int]], responses: list[list[int]], max_length: int,
-                  too_long: str, id_offset: int = 0) -> tuple[list[Sample], dict]:
+def build_samples(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    max_length: int,
+    too_long: str,
+    id_offset: int = 0,
+) -> tuple[list[Sample], dict]:
     samples, stats = [], {"truncated": 0, "dropped": 0, "empty_response": 0}
     for i, (p, r) in enumerate(zip(prompts, responses)):
         ids = list(p) + list(r)
@@ -204,11 +255,18 @@ def build_samples(prompts: list[list[int]], responses: list[list[int]], max_leng
             if not any(mask):
                 stats["dropped"] += 1
                 continue
-        samples.append(Sample(id_offset + i, torch.tensor(ids, dtype=torch.long),
-                              torch.tensor(mask, dtype=torch.bool)))
+        samples.append(
+            Sample(
+                id_offset + i,
+                torch.tensor(ids, dtype=torch.long),
+                torch.tensor(mask, dtype=torch.bool),
+            )
+        )
     if not samples:
-        raise ValueError(f"the dataset is empty after filtering ({stats}); check data.paths, "
-                         "data.max_length and data.too_long")
+        raise ValueError(
+            f"the dataset is empty after filtering ({stats}); check data.paths, "
+            "data.max_length and data.too_long"
+        )
     return samples, stats
 
 
@@ -216,9 +274,15 @@ _NOT_IN_FINGERPRINT = ("cache_dir", "pack_to")  # do not change what is regenera
 
 
 def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
-    key = json.dumps({"data": {k: v for k, v in vars(dcfg).items() if k not in _NOT_IN_FINGERPRINT},
-                      "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
-                      "extra": extra}, sort_keys=True, default=str)
+    key = json.dumps(
+        {
+            "data": {k: v for k, v in vars(dcfg).items() if k not in _NOT_IN_FINGERPRINT},
+            "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
+            "extra": extra,
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -229,11 +293,14 @@ def dataset_path(dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str) -> str:
 def build_prompts(dcfg: DataConfig, tcfg: TargetConfig, target) -> list[list[int]]:
     """Token-id prompts for training data, with the target's text conventions applied."""
     if dcfg.source == "selfgen":
-        return random_prompts(dcfg.num_samples, dcfg.prompt_len, target.vocab_size,
-                              [target.mask_token_id], dcfg.seed)
+        return random_prompts(
+            dcfg.num_samples, dcfg.prompt_len, target.vocab_size, [target.mask_token_id], dcfg.seed
+        )
     if target.tokenizer is None:
-        raise ValueError(f"data.source={dcfg.source} needs a target with a tokenizer (this target "
-                         "has none: it is built from target.config); use data.source=selfgen")
+        raise ValueError(
+            f"data.source={dcfg.source} needs a target with a tokenizer (this target "
+            "has none: it is built from target.config); use data.source=selfgen"
+        )
     return encode_prompts(text_prompts(dcfg), target.tokenizer, tcfg)
 
 
@@ -244,8 +311,9 @@ def drop_long_prompts(prompts: list[list[int]], max_length: int) -> tuple[list[l
     return keep, len(prompts) - len(keep)
 
 
-def load_or_build_dataset(dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str,
-                          log=print) -> list[Sample]:
+def load_or_build_dataset(
+    dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str, log=print
+) -> list[Sample]:
     """Prompts -> the target's own responses -> samples; cached by a fingerprint of the configs."""
     from .corpora import check_training_source
 
@@ -258,7 +326,9 @@ def load_or_build_dataset(dcfg: DataConfig, tcfg: TargetConfig, target, cache_di
     return regenerate_dataset(dcfg, tcfg, target, path, log)
 
 
-def regenerate_dataset(dcfg: DataConfig, tcfg: TargetConfig, target, path: str, log=print) -> list[Sample]:
+def regenerate_dataset(
+    dcfg: DataConfig, tcfg: TargetConfig, target, path: str, log=print
+) -> list[Sample]:
     """Regenerate responses with the target and write the samples to `path` (resumable through
     `path + '.partial'`)."""
     from .corpora import check_training_source
@@ -267,16 +337,30 @@ def regenerate_dataset(dcfg: DataConfig, tcfg: TargetConfig, target, path: str, 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prompts, num_long = drop_long_prompts(build_prompts(dcfg, tcfg, target), dcfg.max_length)
     if not prompts:
-        raise ValueError(f"the dataset is empty: every prompt has >= data.max_length={dcfg.max_length} "
-                         "tokens; raise data.max_length or use shorter prompts")
-    log(f"data: regenerating {len(prompts)} responses (source {dcfg.source}, up to {dcfg.response_len} "
-        f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking})")
-    responses = generate_greedy(target, prompts, dcfg.response_len, dcfg.regen_batch_size,
-                                dcfg.regen_temperature, partial_path=path + ".partial", seed=dcfg.seed, log=log)
+        raise ValueError(
+            f"the dataset is empty: every prompt has >= data.max_length={dcfg.max_length} "
+            "tokens; raise data.max_length or use shorter prompts"
+        )
+    log(
+        f"data: regenerating {len(prompts)} responses (source {dcfg.source}, up to {dcfg.response_len} "
+        f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking})"
+    )
+    responses = generate_greedy(
+        target,
+        prompts,
+        dcfg.response_len,
+        dcfg.regen_batch_size,
+        dcfg.regen_temperature,
+        partial_path=path + ".partial",
+        seed=dcfg.seed,
+        log=log,
+    )
     samples, stats = build_samples(prompts, responses, dcfg.max_length, dcfg.too_long)
     stats["prompt_too_long"] = num_long
     # The drafter's mask token should never be text; samples that contain it are counted.
-    stats["with_mask_token"] = sum(bool((s.input_ids == target.mask_token_id).any()) for s in samples)
+    stats["with_mask_token"] = sum(
+        bool((s.input_ids == target.mask_token_id).any()) for s in samples
+    )
     log(f"data: {len(samples)} samples regenerated by the target ({_fmt_stats(stats)})")
     _atomic_torch_save([vars(s) for s in samples], path)
     if os.path.exists(path + ".partial"):
@@ -324,6 +408,8 @@ class SampleStream:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_samples"] != self.num_samples:
-            raise ValueError(f"resume: the checkpoint's stream had {state['num_samples']} samples, "
-                             f"this run's data has {self.num_samples}; resume with the same data config")
+            raise ValueError(
+                f"resume: the checkpoint's stream had {state['num_samples']} samples, "
+                f"this run's data has {self.num_samples}; resume with the same data config"
+            )
         self.position = int(state["position"])

@@ -125,7 +125,9 @@ def _sorted_topk(
             "that were not stored; store more columns, or pass full_vocab=True if the columns "
             "are the whole vocabulary"
         )
-    if logprobs_DK.shape[-1] > 1 and not bool((logprobs_DK[..., 1:] <= logprobs_DK[..., :-1]).all()):
+    if logprobs_DK.shape[-1] > 1 and not bool(
+        (logprobs_DK[..., 1:] <= logprobs_DK[..., :-1]).all()
+    ):
         logprobs_DK, order = torch.sort(logprobs_DK, dim=-1, descending=True, stable=True)
         ids_DK = torch.gather(ids_DK, -1, order)
     return logprobs_DK[..., :k], ids_DK[..., :k]
@@ -158,7 +160,7 @@ def _heap_rows(vals_xDK: Tensor, budget: int) -> list[list[list[float]]]:
     for counts in keep.tolist():
         rows = []
         for c in counts:
-            rows.append(flat[pos:pos + c])
+            rows.append(flat[pos : pos + c])
             pos += c
         out.append(rows)
     return out
@@ -204,7 +206,9 @@ def _best_first_tree(lp_rows: list[list[float]], budget: int) -> list[tuple[int,
         idx = len(nodes)
         nodes.append((d, r, parent, -neg))
         if r + 1 < len(lp_rows[d - 1]):
-            heapq.heapreplace(heap, (pneg - lp_rows[d - 1][r + 1], d, code + 1, r + 1, pneg, parent))
+            heapq.heapreplace(
+                heap, (pneg - lp_rows[d - 1][r + 1], d, code + 1, r + 1, pneg, parent)
+            )
         else:
             heapq.heappop(heap)
         if d < D:
@@ -212,7 +216,9 @@ def _best_first_tree(lp_rows: list[list[float]], budget: int) -> list[tuple[int,
     return nodes
 
 
-def _greedy_pop_ranks(lp_rows: list[list[float]], path_ranks: list[int], max_pops: int) -> list[int]:
+def _greedy_pop_ranks(
+    lp_rows: list[list[float]], path_ranks: list[int], max_pops: int
+) -> list[int]:
     """1-based pop ranks of the greedy prefixes p_1, p_2, ... that pop within ``max_pops``.
 
     ``path_ranks[d-1]`` is the column of the greedy token at depth d (all >= 0). The result is
@@ -276,8 +282,13 @@ def build_ddtree(
     D = logprobs_DV.shape[0]
     if budget == 0 or D == 0:
         e = torch.empty(0, dtype=torch.long)
-        return DDTree(e, e.clone(), e.clone(), torch.empty(0, dtype=torch.float64),
-                      torch.empty(0, 0, dtype=torch.bool))
+        return DDTree(
+            e,
+            e.clone(),
+            e.clone(),
+            torch.empty(0, dtype=torch.float64),
+            torch.empty(0, 0, dtype=torch.bool),
+        )
     vals_DK, ids_DK = _sorted_topk(logprobs_DV, topk_ids_DK, budget, full_vocab=full_vocab)
     nodes = _best_first_tree(_heap_rows(vals_DK, budget)[0], budget)
     depths = torch.tensor([n[0] for n in nodes], dtype=torch.long)
@@ -335,11 +346,15 @@ def ddtree_accept_topk(
     budgets = _check_budgets(budgets)
     if not budgets or topk_logprobs_DK.shape[0] == 0 or max(budgets) == 0:
         return {b: 0 for b in budgets}
-    vals_DK, ids_DK = _sorted_topk(topk_logprobs_DK, topk_ids_DK, max(budgets), full_vocab=full_vocab)
+    vals_DK, ids_DK = _sorted_topk(
+        topk_logprobs_DK, topk_ids_DK, max(budgets), full_vocab=full_vocab
+    )
     return _accept_prepared(vals_DK, ids_DK, torch.as_tensor(target_tokens_D), budgets)
 
 
-def _accept_prepared(vals_DK: Tensor, ids_DK: Tensor, target: Tensor, budgets: list[int]) -> dict[int, int]:
+def _accept_prepared(
+    vals_DK: Tensor, ids_DK: Tensor, target: Tensor, budgets: list[int]
+) -> dict[int, int]:
     path = _path_prefix(_greedy_ranks(ids_DK, target).tolist())
     if not path:
         return {b: 0 for b in budgets}
@@ -368,9 +383,13 @@ def ddtree_accept_many(
         return out
     bmax = max(budgets)
     for s in range(0, N, chunk):
-        vals, ids = _sorted_topk(topk_logprobs_NDK[s:s + chunk], topk_ids_NDK[s:s + chunk], bmax,
-                                 full_vocab=full_vocab)
-        ranks = _greedy_ranks(ids, torch.as_tensor(target_tokens_ND[s:s + chunk])).tolist()
+        vals, ids = _sorted_topk(
+            topk_logprobs_NDK[s : s + chunk],
+            topk_ids_NDK[s : s + chunk],
+            bmax,
+            full_vocab=full_vocab,
+        )
+        ranks = _greedy_ranks(ids, torch.as_tensor(target_tokens_ND[s : s + chunk])).tolist()
         rows = _heap_rows(vals, bmax)
         for n, (lp_rows, r) in enumerate(zip(rows, ranks)):
             path = _path_prefix(r)

@@ -10,6 +10,7 @@ called, so gloo waits use `wait(timeout)` (a dead peer fails at once with "Conne
 by peer"); NCCL never notices a dead peer, so NCCL waits poll `is_completed()` against a
 deadline. Either way a silent or dead peer becomes a PeerError that names it.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -19,16 +20,25 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 HEADER_LEN = 96
 _MAGIC = 0xDF1A54
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-           torch.bool, torch.uint8)
+_DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
 BACKENDS = ("auto", "nccl", "gloo")
 
 
@@ -62,8 +72,11 @@ class RankContext:
 
     def barrier(self) -> None:
         """monitored_barrier names the ranks that did not arrive (gloo only: ctrl is gloo)."""
-        dist.monitored_barrier(group=self.ctrl, timeout=datetime.timedelta(seconds=self.startup_timeout_s),
-                               wait_all_ranks=True)
+        dist.monitored_barrier(
+            group=self.ctrl,
+            timeout=datetime.timedelta(seconds=self.startup_timeout_s),
+            wait_all_ranks=True,
+        )
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         box = [obj]
@@ -73,17 +86,24 @@ class RankContext:
 
 def launcher_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) as torchrun / accelerate launch / launch_local set them."""
-    return (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
-            int(os.environ.get("LOCAL_RANK", "0")))
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
 
 
 def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
-        raise ValueError(f"topology.backend={backend!r} is not allowed; choose one of {list(BACKENDS)}")
+        raise ValueError(
+            f"topology.backend={backend!r} is not allowed; choose one of {list(BACKENDS)}"
+        )
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("topology.backend=nccl needs CUDA devices; use topology.backend=gloo on CPU")
+        raise ValueError(
+            "topology.backend=nccl needs CUDA devices; use topology.backend=gloo on CPU"
+        )
     return backend
 
 
@@ -101,10 +121,16 @@ def init_distributed(backend: str, timeout_s: float, startup_timeout_s: float) -
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s * 1.5 + 30))
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s * 1.5 + 30),
+        )
     ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
-    return RankContext(rank, world, local_rank, device, backend, float(timeout_s), float(startup_timeout_s), ctrl)
+    return RankContext(
+        rank, world, local_rank, device, backend, float(timeout_s), float(startup_timeout_s), ctrl
+    )
 
 
 def new_group(ranks: Sequence[int]):
@@ -133,14 +159,19 @@ def wait_for(work, deadline: float, backend: str, peer: str, doing: str, timeout
             delay = min(2 * delay, 2e-3)
         work.wait()
     except TimeoutError:
-        raise PeerError(f"{peer} did not {doing} within {timeout_s:g} s (topology.timeout_s): "
-                        "it died or hangs") from None
+        raise PeerError(
+            f"{peer} did not {doing} within {timeout_s:g} s (topology.timeout_s): it died or hangs"
+        ) from None
     except RuntimeError as e:
         text = str(e)
         if "Timed out" in text or "timed out" in text:
-            raise PeerError(f"{peer} did not {doing} within {timeout_s:g} s (topology.timeout_s): "
-                            "it died or hangs") from None
-        detail = text.splitlines()[0].split(". This is typically")[0][:200] if text else type(e).__name__
+            raise PeerError(
+                f"{peer} did not {doing} within {timeout_s:g} s (topology.timeout_s): "
+                "it died or hangs"
+            ) from None
+        detail = (
+            text.splitlines()[0].split(". This is typically")[0][:200] if text else type(e).__name__
+        )
         raise PeerError(f"{peer} is gone while waiting to {doing} ({detail})") from None
 
 
@@ -156,14 +187,16 @@ def encode_header(meta: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[
 
 def decode_header(vals: Sequence[int]) -> tuple[list[int], list[tuple[torch.dtype, tuple]]]:
     if vals[0] != _MAGIC:
-        raise PeerError(f"malformed message header (magic {vals[0]:#x}); are all ranks running the "
-                        "same dflash version?")
+        raise PeerError(
+            f"malformed message header (magic {vals[0]:#x}); are all ranks running the "
+            "same dflash version?"
+        )
     n_meta, n_t = vals[1], vals[2]
-    meta = list(vals[3:3 + n_meta])
+    meta = list(vals[3 : 3 + n_meta])
     i, specs = 3 + n_meta, []
     for _ in range(n_t):
         dtype, ndim = _DTYPES[vals[i]], vals[i + 1]
-        specs.append((dtype, tuple(vals[i + 2:i + 2 + ndim])))
+        specs.append((dtype, tuple(vals[i + 2 : i + 2 + ndim])))
         i += 2 + ndim
     return meta, specs
 
@@ -173,8 +206,9 @@ class Outbox:
     next send first waits for the oldest). In-flight tensors stay referenced here until their
     send completes, so the caller's next forward overlaps the transfer."""
 
-    def __init__(self, dst: int, peer: str, window: int, timeout_s: float, backend: str,
-                 device: torch.device):
+    def __init__(
+        self, dst: int, peer: str, window: int, timeout_s: float, backend: str, device: torch.device
+    ):
         self.dst, self.peer, self.window = dst, peer, window
         self.timeout_s, self.backend, self.device = timeout_s, backend, device
         self.inflight: deque = deque()
@@ -203,12 +237,19 @@ class Outbox:
             self._retire_oldest()
 
 
-def recv_message(src: int, peer: str, device: torch.device, backend: str, timeout_s: float,
-                 label: str) -> tuple[list[int], list[torch.Tensor]]:
+def recv_message(
+    src: int, peer: str, device: torch.device, backend: str, timeout_s: float, label: str
+) -> tuple[list[int], list[torch.Tensor]]:
     """Receive one message from `src` (messages of one link arrive in send order)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    wait_for(dist.irecv(header, src), time.monotonic() + timeout_s, backend, peer, f"send {label}",
-             timeout_s)
+    wait_for(
+        dist.irecv(header, src),
+        time.monotonic() + timeout_s,
+        backend,
+        peer,
+        f"send {label}",
+        timeout_s,
+    )
     meta, specs = decode_header(header.tolist())
     tensors = [torch.empty(shape, dtype=dtype, device=device) for dtype, shape in specs]
     works = [dist.irecv(t, src) for t in tensors]
@@ -225,8 +266,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(argv: Sequence[str], nproc: int, env: Optional[dict] = None, cwd: Optional[str] = None,
-                 log_dir: Optional[str] = None, run_id: Optional[str] = None) -> list[subprocess.Popen]:
+def launch_local(
+    argv: Sequence[str],
+    nproc: int,
+    env: dict | None = None,
+    cwd: str | None = None,
+    log_dir: str | None = None,
+    run_id: str | None = None,
+) -> list[subprocess.Popen]:
     """Start `nproc` copies of `argv` with the environment torchrun would give them (one node,
     TCP rendezvous on 127.0.0.1). Tests and benchmarks use it to control the processes
     directly (torchrun would tear the job down on the first failure before we can observe it).
@@ -235,8 +282,15 @@ def launch_local(argv: Sequence[str], nproc: int, env: Optional[dict] = None, cw
     procs = []
     for r in range(nproc):
         e = dict(os.environ, **(env or {}))
-        e.update(RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nproc),
-                 GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        e.update(
+            RANK=str(r),
+            WORLD_SIZE=str(nproc),
+            LOCAL_RANK=str(r),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
         if run_id:
             e["DFLASH_RUN_ID"] = run_id
         out = err = None
@@ -248,10 +302,10 @@ def launch_local(argv: Sequence[str], nproc: int, env: Optional[dict] = None, cw
     return procs
 
 
-def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[Optional[int]]:
+def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[int | None]:
     """Exit codes (None = still running at the deadline; those are killed)."""
     deadline = time.monotonic() + timeout_s
-    codes: list[Optional[int]] = []
+    codes: list[int | None] = []
     for p in procs:
         try:
             codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.01)))

@@ -7,10 +7,10 @@ Context (aux states of positions strictly before each anchor) goes through fc ->
 only feeds K/V of every layer; it never enters the residual stream. Q comes from the block.
 The drafter has no embedding and no LM head: it uses the target's, frozen, plus its own norm.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from torch import nn
 @dataclass
 class DrafterSpec:
     """Resolved drafter shape; serialises to a z-lab/vLLM/SGLang compatible Qwen3 config.json."""
+
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -64,20 +65,26 @@ class DrafterSpec:
             "use_sliding_window": any(t == "sliding_attention" for t in self.layer_types),
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
-                              "mask_token_id": self.mask_token_id},
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+            },
             "torch_dtype": dtype,
         }
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "DrafterSpec":
+    def from_hf_config(cls, cfg: dict) -> DrafterSpec:
         """Read a serving-format config.json; layer ids always come from the checkpoint."""
         dc = cfg.get("dflash_config") or {}
         if "target_layer_ids" not in dc:
-            raise ValueError("config.json has no dflash_config.target_layer_ids; not a DFlash drafter")
+            raise ValueError(
+                "config.json has no dflash_config.target_layer_ids; not a DFlash drafter"
+            )
         if "mask_token_id" not in dc and "mask_token_id" not in cfg:
-            raise ValueError("config.json has no dflash_config.mask_token_id; the drafter's mask token "
-                             "must come from the checkpoint")
+            raise ValueError(
+                "config.json has no dflash_config.mask_token_id; the drafter's mask token "
+                "must come from the checkpoint"
+            )
         n = int(cfg["num_hidden_layers"])
         layer_types = cfg.get("layer_types")
         if not layer_types:
@@ -86,17 +93,23 @@ class DrafterSpec:
         rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)
         heads = int(cfg["num_attention_heads"])
         return cls(
-            hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=n, num_attention_heads=heads,
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=n,
+            num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            vocab_size=int(cfg["vocab_size"]), block_size=int(cfg.get("block_size", 16)),
+            vocab_size=int(cfg["vocab_size"]),
+            block_size=int(cfg.get("block_size", 16)),
             mask_token_id=int(dc.get("mask_token_id", cfg.get("mask_token_id"))),
             target_layer_ids=[int(i) for i in dc["target_layer_ids"]],
             num_target_layers=int(cfg.get("num_target_layers", -1)),
-            layer_types=list(layer_types), sliding_window=int(cfg.get("sliding_window") or 2048),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(rope),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)))
+            layer_types=list(layer_types),
+            sliding_window=int(cfg.get("sliding_window") or 2048),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -117,7 +130,9 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """pos [..., L] -> cos, sin [..., L, d] (Qwen3 / Llama rotate-half convention)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
+    )
     freqs = pos.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -133,7 +148,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DFlashAttention(nn.Module):
     def __init__(self, spec: DrafterSpec):
         super().__init__()
-        H, h, kv, d = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        H, h, kv, d = (
+            spec.hidden_size,
+            spec.num_attention_heads,
+            spec.num_key_value_heads,
+            spec.head_dim,
+        )
         self.num_heads, self.num_kv, self.head_dim = h, kv, d
         self.q_proj = nn.Linear(H, h * d, bias=False)
         self.k_proj = nn.Linear(H, kv * d, bias=False)
@@ -151,7 +171,9 @@ class DFlashAttention(nn.Module):
 
     def forward(self, h_NQH, ctx_kv, q_cos, q_sin, mask_N1QK):
         N, Q, _ = h_NQH.shape
-        q = self.q_norm(self.q_proj(h_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_norm(self.q_proj(h_NQH).view(N, Q, self.num_heads, self.head_dim)).transpose(
+            1, 2
+        )
         q = apply_rope(q, q_cos, q_sin)
         k_blk, v_blk = self.project_kv(h_NQH, q_cos, q_sin)
         k_ctx, v_ctx = ctx_kv
@@ -202,7 +224,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(spec, t) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def init_weights(self, std: float, generator: Optional[torch.Generator] = None) -> None:
+    def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
@@ -219,9 +241,15 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(ctx_pos_NT, self.spec.head_dim, self.spec.rope_theta, ctx_NTH.dtype)
         return [layer.self_attn.project_kv(ctx_NTH, cos, sin) for layer in self.layers]
 
-    def forward(self, block_emb_NQH: torch.Tensor, block_pos_NQ: torch.Tensor, masks: dict,
-                aux_NTF: Optional[torch.Tensor] = None, ctx_pos_NT: Optional[torch.Tensor] = None,
-                ctx_kv: Optional[list] = None) -> torch.Tensor:
+    def forward(
+        self,
+        block_emb_NQH: torch.Tensor,
+        block_pos_NQ: torch.Tensor,
+        masks: dict,
+        aux_NTF: torch.Tensor | None = None,
+        ctx_pos_NT: torch.Tensor | None = None,
+        ctx_kv: list | None = None,
+    ) -> torch.Tensor:
         """Returns the normed final hidden states of the block queries [N, Q, H].
 
         masks: {layer_type: bool [N, 1, Q, T + Q]} (True = may attend), context keys first.
@@ -238,4 +266,3 @@ class DFlashDrafter(nn.Module):
 
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-

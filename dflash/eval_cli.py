@@ -1,4 +1,5 @@
 """eval.py: load a drafter checkpoint, check it against the target, run the offline simulation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,10 @@ from .trainer import Heads
 
 def run_config_of(ckpt: str) -> dict | None:
     """Our checkpoints sit in <run_dir>/checkpoints/step_*; the run's config is next to them."""
-    for cand in (os.path.join(ckpt, "..", "..", "run_config.json"), os.path.join(ckpt, "run_config.json")):
+    for cand in (
+        os.path.join(ckpt, "..", "..", "run_config.json"),
+        os.path.join(ckpt, "run_config.json"),
+    ):
         if os.path.isfile(cand):
             with open(cand) as f:
                 return json.load(f)
@@ -30,12 +34,18 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     drafter, report = load_drafter(rc.ckpt, strict=False)
     spec = drafter.spec
     fc_in = report["fc_input"]
-    print(f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
-          f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)")
-    print(f"Loaded {report['loaded']} tensors; skipped (not drafter weights): {report['skipped'] or 'none'}; "
-          f"missing: {report['missing'] or 'none'}")
+    print(
+        f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
+        f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)"
+    )
+    print(
+        f"Loaded {report['loaded']} tensors; skipped (not drafter weights): {report['skipped'] or 'none'}; "
+        f"missing: {report['missing'] or 'none'}"
+    )
     if report["missing"]:
-        raise ValueError(f"{rc.ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete")
+        raise ValueError(
+            f"{rc.ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete"
+        )
     prev = run_config_of(rc.ckpt)
     user_set = {o.split("=")[0].lstrip("+") for o in overrides}
     if prev is not None:
@@ -47,17 +57,26 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
                 rc = dataclasses.replace(rc, **{group: cls(**prev[group])})
                 restored.append(group)
         if restored:
-            print(f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
-                  f"eval source {rc.eval.source or rc.data.source})")
+            print(
+                f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
+                f"eval source {rc.eval.source or rc.data.source})"
+            )
     target = _target_for(rc, spec)
     items = build_eval_set(rc, target, os.path.join(out_dir, "data"), log=print)
     dev = target.device
     drafter = drafter.to(dev)
-    reports, summary = evaluate(drafter, Heads(target.embed_tokens, target.lm_head), items, rc.eval.budgets)
+    reports, summary = evaluate(
+        drafter, Heads(target.embed_tokens, target.lm_head), items, rc.eval.budgets
+    )
     print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
     if rc.out:
-        meta = {"ckpt": os.path.abspath(rc.ckpt), "target": rc.target.name, "block_size": spec.block_size,
-                "target_layer_ids": spec.target_layer_ids, "eval": dataclasses.asdict(rc.eval)}
+        meta = {
+            "ckpt": os.path.abspath(rc.ckpt),
+            "target": rc.target.name,
+            "block_size": spec.block_size,
+            "target_layer_ids": spec.target_layer_ids,
+            "eval": dataclasses.asdict(rc.eval),
+        }
         write_json(rc.out, reports, summary, meta)
         print(f"wrote {rc.out}")
     return summary
@@ -65,12 +84,20 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
 
 def _target_for(rc: RunConfig, spec):
     """Load the target with the checkpoint's layer ids and mask token, refusing mismatches."""
-    target = load_target(rc.target, layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id)
+    target = load_target(
+        rc.target, layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id
+    )
     if spec.hidden_size != target.hidden_size:
-        raise ValueError(f"drafter hidden size {spec.hidden_size} != target hidden size {target.hidden_size} "
-                         f"(target={rc.target.name}); evaluate with the target it was trained for")
+        raise ValueError(
+            f"drafter hidden size {spec.hidden_size} != target hidden size {target.hidden_size} "
+            f"(target={rc.target.name}); evaluate with the target it was trained for"
+        )
     if spec.vocab_size != target.vocab_size:
-        raise ValueError(f"drafter vocab {spec.vocab_size} != target vocab {target.vocab_size} "
-                         f"(target={rc.target.name})")
-    print(f"target: {rc.target.name}, {target.num_layers} layers, Gated-DeltaNet backend: {target.backend}")
+        raise ValueError(
+            f"drafter vocab {spec.vocab_size} != target vocab {target.vocab_size} "
+            f"(target={rc.target.name})"
+        )
+    print(
+        f"target: {rc.target.name}, {target.num_layers} layers, Gated-DeltaNet backend: {target.backend}"
+    )
     return target

@@ -7,13 +7,13 @@ engine would at temperature 0.
 
 Legend: P prompt length, L completion length, T = P + L, D = B - 1 drafted positions, K top-k.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -26,9 +26,9 @@ from .metrics import evaluate_prompt, summarize
 
 @dataclass
 class EvalItem:
-    prompt_ids: torch.Tensor      # [P]
+    prompt_ids: torch.Tensor  # [P]
     completion_ids: torch.Tensor  # [L] the target's greedy completion (self-consistent)
-    aux_TF: torch.Tensor          # [P+L, K*H] aux states along prompt + completion
+    aux_TF: torch.Tensor  # [P+L, K*H] aux states along prompt + completion
 
 
 @torch.no_grad()
@@ -36,23 +36,29 @@ def consistent_greedy(target, prompt: list[int], completion: list[int]) -> EvalI
     """Re-run the target over prompt+completion in one forward and keep the completion up to the
     first token that is not the argmax of that forward (batched generation and a one-shot
     forward can disagree at near-ties); the walk then compares against a true fixed point."""
-    ids = torch.tensor(list(prompt) + list(completion), dtype=torch.long, device=target.device)[None]
+    ids = torch.tensor(list(prompt) + list(completion), dtype=torch.long, device=target.device)[
+        None
+    ]
     out = target.capture(ids)
     P = len(prompt)
-    pred = out.next_token_NT[0, P - 1:-1].cpu()
+    pred = out.next_token_NT[0, P - 1 : -1].cpu()
     comp = torch.tensor(completion, dtype=torch.long)
     bad = (pred != comp).nonzero()
     n = int(bad[0]) if bad.numel() else len(completion)
-    return EvalItem(torch.tensor(prompt, dtype=torch.long), comp[:n].clone(),
-                    out.aux_NTF[0, :P + n].cpu().clone())
+    return EvalItem(
+        torch.tensor(prompt, dtype=torch.long),
+        comp[:n].clone(),
+        out.aux_NTF[0, : P + n].cpu().clone(),
+    )
 
 
 def eval_prompts(cfg, target) -> list[list[int]]:
     ecfg, dcfg = cfg.eval, cfg.data
     source = ecfg.source or dcfg.source
     if source == "selfgen":
-        return random_prompts(ecfg.num_prompts, dcfg.prompt_len, target.vocab_size,
-                              [target.mask_token_id], ecfg.seed)
+        return random_prompts(
+            ecfg.num_prompts, dcfg.prompt_len, target.vocab_size, [target.mask_token_id], ecfg.seed
+        )
     if target.tokenizer is None:
         raise ValueError(f"eval source {source!r} needs a target with a tokenizer")
     return encode_prompts(heldout_text_prompts(cfg), target.tokenizer, cfg.target)
@@ -67,39 +73,64 @@ def heldout_text_prompts(cfg) -> list:
     name another source, else the rows of the training source after the ones training uses,
     with any prompt that training also sees removed."""
     from dataclasses import replace
+
     ecfg, dcfg = cfg.eval, cfg.data
     source = ecfg.source or dcfg.source
     if ecfg.paths or source != dcfg.source:
-        ed = replace(dcfg, source=source, paths=list(ecfg.paths), num_samples=ecfg.num_prompts, seed=ecfg.seed)
+        ed = replace(
+            dcfg,
+            source=source,
+            paths=list(ecfg.paths),
+            num_samples=ecfg.num_prompts,
+            seed=ecfg.seed,
+        )
         return text_prompts(ed)[: ecfg.num_prompts]
     seen = {_prompt_key(p) for p in text_prompts(dcfg)}
     pool = text_prompts(replace(dcfg, num_samples=dcfg.num_samples + ecfg.num_prompts))
     out = [p for p in pool if _prompt_key(p) not in seen][: ecfg.num_prompts]
     if not out:
-        raise ValueError(f"eval: no held-out prompts left: data.source={dcfg.source} has no rows beyond the "
-                         f"{dcfg.num_samples} used for training; lower data.num_samples or set eval.paths "
-                         "/ eval.source")
+        raise ValueError(
+            f"eval: no held-out prompts left: data.source={dcfg.source} has no rows beyond the "
+            f"{dcfg.num_samples} used for training; lower data.num_samples or set eval.paths "
+            "/ eval.source"
+        )
     return out
 
 
-def build_eval_set(cfg, target, cache_dir: Optional[str], log=print) -> list[EvalItem]:
-    key = json.dumps({"eval": vars(cfg.eval), "data": vars(cfg.data), "target": vars(cfg.target),
-                      "layers": target.layer_ids}, sort_keys=True, default=str)
+def build_eval_set(cfg, target, cache_dir: str | None, log=print) -> list[EvalItem]:
+    key = json.dumps(
+        {
+            "eval": vars(cfg.eval),
+            "data": vars(cfg.data),
+            "target": vars(cfg.target),
+            "layers": target.layer_ids,
+        },
+        sort_keys=True,
+        default=str,
+    )
     path = None
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        path = os.path.join(cache_dir, f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors")
+        path = os.path.join(
+            cache_dir, f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+        )
         if os.path.exists(path):
             items = load_eval_set(path)
             log(f"eval: {len(items)} prompts from cache {path}")
             return items
     prompts = eval_prompts(cfg, target)
-    comps = generate_greedy(target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy")
+    comps = generate_greedy(
+        target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy"
+    )
     items = [consistent_greedy(target, p, c) for p, c in zip(prompts, comps)]
     items = [it for it in items if it.completion_ids.numel() >= 2]
     if not items:
-        raise ValueError("eval: no usable prompt (every greedy completion is shorter than 2 tokens)")
-    log(f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy tokens")
+        raise ValueError(
+            "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
+        )
+    log(
+        f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy tokens"
+    )
     if path:
         save_eval_set(items, path)
     return items
@@ -108,7 +139,11 @@ def build_eval_set(cfg, target, cache_dir: Optional[str], log=print) -> list[Eva
 def save_eval_set(items: list[EvalItem], path: str) -> None:
     t = {}
     for i, it in enumerate(items):
-        t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"] = it.prompt_ids, it.completion_ids, it.aux_TF.contiguous()
+        t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"] = (
+            it.prompt_ids,
+            it.completion_ids,
+            it.aux_TF.contiguous(),
+        )
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(t, tmp)
     os.replace(tmp, path)
@@ -121,8 +156,14 @@ def load_eval_set(path: str) -> list[EvalItem]:
 
 
 @torch.no_grad()
-def draft_all_anchors(drafter: DFlashDrafter, heads, item: EvalItem, top_k: int,
-                      anchor_chunk: int = 64, dtype: torch.dtype = torch.float32):
+def draft_all_anchors(
+    drafter: DFlashDrafter,
+    heads,
+    item: EvalItem,
+    top_k: int,
+    anchor_chunk: int = 64,
+    dtype: torch.dtype = torch.float32,
+):
     """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K]."""
     spec = drafter.spec
     dev = heads.lm_head.weight.device
@@ -137,8 +178,17 @@ def draft_all_anchors(drafter: DFlashDrafter, heads, item: EvalItem, top_k: int,
     for s in range(0, L, anchor_chunk):
         anchors = (P + torch.arange(s, min(L, s + anchor_chunk), device=dev))[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
-        blk = build_blocks(ids, pos, seg, anchors, valid, spec.block_size, spec.mask_token_id,
-                           spec.layer_types, spec.sliding_window)
+        blk = build_blocks(
+            ids,
+            pos,
+            seg,
+            anchors,
+            valid,
+            spec.block_size,
+            spec.mask_token_id,
+            spec.layer_types,
+            spec.sliding_window,
+        )
         emb = heads.embed(blk.block_ids_NQ).to(dtype)
         h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
@@ -161,10 +211,21 @@ def evaluate(drafter: DFlashDrafter, heads, items: list[EvalItem], budgets, dtyp
     drafter.eval()
     reports = []
     for n, it in enumerate(items):
-        draft, lp, ids = draft_all_anchors(drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype)
+        draft, lp, ids = draft_all_anchors(
+            drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype
+        )
         full_vocab = lp is not None and lp.shape[-1] == heads.lm_head.weight.shape[0]
-        reports.append(evaluate_prompt(draft, it.completion_ids, lp, ids, budgets=list(budgets),
-                                       full_vocab=full_vocab, prompt_id=n))
+        reports.append(
+            evaluate_prompt(
+                draft,
+                it.completion_ids,
+                lp,
+                ids,
+                budgets=list(budgets),
+                full_vocab=full_vocab,
+                prompt_id=n,
+            )
+        )
     drafter.train(was_training)
     return reports, summarize(reports)
 
@@ -176,7 +237,7 @@ class Evaluator:
         self.items, self.budgets = items, list(budgets)
 
     @classmethod
-    def from_config(cls, cfg, target, cache_dir: Optional[str], log=print) -> "Evaluator":
+    def from_config(cls, cfg, target, cache_dir: str | None, log=print) -> Evaluator:
         return cls(build_eval_set(cfg, target, cache_dir, log), cfg.eval.budgets)
 
     def run(self, drafter, heads) -> dict:

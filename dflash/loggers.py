@@ -1,24 +1,29 @@
 """Metric sinks behind one small interface: console, wandb, none. Every run also appends its
 metrics to <run_dir>/metrics.jsonl, so plots never need wandb (`python -m dflash.tools.plot`)."""
+
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Optional
 
 from .config import LoggerConfig
 
 
 class Logger:
-    def __init__(self, run_dir: Optional[str], rank0: bool = True):
+    def __init__(self, run_dir: str | None, rank0: bool = True):
         self.rank0 = rank0
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a") if run_dir and rank0 else None
+        self.jsonl = (
+            open(os.path.join(run_dir, "metrics.jsonl"), "a") if run_dir and rank0 else None
+        )
         self.t0 = time.time()
 
     def log(self, metrics: dict, step: int) -> None:
         if self.jsonl:
-            self.jsonl.write(json.dumps({"step": step, "time": round(time.time() - self.t0, 3), **metrics}) + "\n")
+            self.jsonl.write(
+                json.dumps({"step": step, "time": round(time.time() - self.t0, 3), **metrics})
+                + "\n"
+            )
             self.jsonl.flush()
         self._log(metrics, step)
 
@@ -49,7 +54,9 @@ class ConsoleLogger(Logger):
 
 
 class WandbLogger(ConsoleLogger):
-    def __init__(self, cfg: LoggerConfig, run_dir: str, run_name: str, config: dict, rank0: bool = True):
+    def __init__(
+        self, cfg: LoggerConfig, run_dir: str, run_name: str, config: dict, rank0: bool = True
+    ):
         super().__init__(run_dir, rank0)
         self.run = None
         if not rank0:
@@ -58,13 +65,26 @@ class WandbLogger(ConsoleLogger):
 
         mode = cfg.mode
         if mode == "auto":
-            has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(os.path.expanduser("~/.netrc"))
+            has_key = bool(os.environ.get("WANDB_API_KEY")) or os.path.exists(
+                os.path.expanduser("~/.netrc")
+            )
             mode = "online" if has_key else "offline"
-        self.run = wandb.init(project=cfg.project, entity=cfg.entity, name=run_name, dir=run_dir,
-                              config=config, mode=mode, tags=list(cfg.tags), resume="allow")
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=run_name,
+            dir=run_dir,
+            config=config,
+            mode=mode,
+            tags=list(cfg.tags),
+            resume="allow",
+        )
         for prefix in ("train", "eval", "perf", "pipe"):
             wandb.define_metric(f"{prefix}/*", step_metric="trainer/step")
-        self.info(f"wandb: {mode} run in {run_dir}/wandb" + (" (sync later: `wandb sync`)" if mode == "offline" else ""))
+        self.info(
+            f"wandb: {mode} run in {run_dir}/wandb"
+            + (" (sync later: `wandb sync`)" if mode == "offline" else "")
+        )
 
     def _log(self, metrics: dict, step: int) -> None:
         super()._log(metrics, step)
@@ -81,7 +101,9 @@ class WandbLogger(ConsoleLogger):
             self.run.finish()
 
 
-def make_logger(cfg: LoggerConfig, run_dir: str, run_name: str, config: dict, rank0: bool = True) -> Logger:
+def make_logger(
+    cfg: LoggerConfig, run_dir: str, run_name: str, config: dict, rank0: bool = True
+) -> Logger:
     if cfg.kind == "wandb":
         return WandbLogger(cfg, run_dir, run_name, config, rank0)
     if cfg.kind == "console":

@@ -4,10 +4,10 @@ The caller divides by the GLOBAL weight sum (over micro-batches and data-paralle
 gradient accumulation and data parallelism give the gradient of one big batch.
 Legend: M labelled positions, H hidden, V vocab, B block size.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ def default_gamma(block_size: int) -> float:
     return max(1.0, 7.0 * (block_size - 1) / 15.0)
 
 
-def position_weights(block_size: int, gamma: Optional[float] = None) -> torch.Tensor:
+def position_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for block positions k = 1..B-1."""
     g = default_gamma(block_size) if gamma is None else float(gamma)
     k = torch.arange(1, block_size, dtype=torch.float32)
@@ -36,15 +36,26 @@ def _ce_chunk(h_MH, w_VH, labels_M, weights_M):
     return (ce * weights_M).sum(), (correct * weights_M).sum().detach()
 
 
-def weighted_ce_sum(h_MH: torch.Tensor, lm_head_w_VH: torch.Tensor, labels_M: torch.Tensor,
-                    weights_M: torch.Tensor, *, chunk: int = 4096):
+def weighted_ce_sum(
+    h_MH: torch.Tensor,
+    lm_head_w_VH: torch.Tensor,
+    labels_M: torch.Tensor,
+    weights_M: torch.Tensor,
+    *,
+    chunk: int = 4096,
+):
     """Hard CE against the target's greedy tokens, weighted, summed. The [M, V] logits are built
     chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
     Returns (loss_sum, weighted_correct_sum)."""
     loss = h_MH.new_zeros((), dtype=torch.float32)
     correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
     for i in range(0, h_MH.shape[0], chunk):
-        args = (h_MH[i:i + chunk], lm_head_w_VH, labels_M[i:i + chunk], weights_M[i:i + chunk])
+        args = (
+            h_MH[i : i + chunk],
+            lm_head_w_VH,
+            labels_M[i : i + chunk],
+            weights_M[i : i + chunk],
+        )
         if torch.is_grad_enabled() and h_MH.requires_grad:
             l, c = checkpoint(_ce_chunk, *args, use_reentrant=False)
         else:
@@ -54,18 +65,28 @@ def weighted_ce_sum(h_MH: torch.Tensor, lm_head_w_VH: torch.Tensor, labels_M: to
     return loss, correct
 
 
-def soft_kl_sum(h_MH: torch.Tensor, lm_head_w_VH: torch.Tensor, target_h_MH: torch.Tensor,
-                weights_M: torch.Tensor, *, chunk: int = 4096):
+def soft_kl_sum(
+    h_MH: torch.Tensor,
+    lm_head_w_VH: torch.Tensor,
+    target_h_MH: torch.Tensor,
+    weights_M: torch.Tensor,
+    *,
+    chunk: int = 4096,
+):
     """KL(target || drafter) weighted sum; only reachable with train.allow_soft_loss=true.
     Target logits come from the clean final hidden state through the same frozen lm_head."""
     loss = h_MH.new_zeros((), dtype=torch.float32)
     for i in range(0, h_MH.shape[0], chunk):
+
         def f(h, th, w):
             lp = F.log_softmax((h @ lm_head_w_VH.t()).float(), -1)
             tp = F.log_softmax((th @ lm_head_w_VH.t()).float(), -1)
             return (F.kl_div(lp, tp, log_target=True, reduction="none").sum(-1) * w).sum()
-        args = (h_MH[i:i + chunk], target_h_MH[i:i + chunk], weights_M[i:i + chunk])
-        loss = loss + (checkpoint(f, *args, use_reentrant=False) if h_MH.requires_grad else f(*args))
+
+        args = (h_MH[i : i + chunk], target_h_MH[i : i + chunk], weights_M[i : i + chunk])
+        loss = loss + (
+            checkpoint(f, *args, use_reentrant=False) if h_MH.requires_grad else f(*args)
+        )
     return loss
 
 

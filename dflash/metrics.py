@@ -174,19 +174,25 @@ def walk_ddtree(
     if L < 2 or D == 0 or not budgets:
         return walks
     if topk_logprobs_LDK.shape[0] < L - 1:
-        raise ValueError(f"draft has {topk_logprobs_LDK.shape[0]} anchor rows, completion needs {L - 1}")
+        raise ValueError(
+            f"draft has {topk_logprobs_LDK.shape[0]} anchor rows, completion needs {L - 1}"
+        )
     if topk_ids_LDK is not None:  # top-k inputs are small: one transfer, not one per anchor
-        topk_logprobs_LDK, topk_ids_LDK = topk_logprobs_LDK.detach().cpu(), topk_ids_LDK.detach().cpu()
+        topk_logprobs_LDK, topk_ids_LDK = (
+            topk_logprobs_LDK.detach().cpu(),
+            topk_ids_LDK.detach().cpu(),
+        )
     memo: dict[int, list[int]] = {}
 
     def accepted_at(i: int) -> list[int]:
         if i not in memo:
-            target = greedy_L[i + 1:i + 1 + D]  # shorter than D at the end: caps acceptance
+            target = greedy_L[i + 1 : i + 1 + D]  # shorter than D at the end: caps acceptance
             if topk_ids_LDK is None:
                 acc = ddtree_accept(topk_logprobs_LDK[i], target, budgets)
             else:
-                acc = ddtree_accept_topk(topk_logprobs_LDK[i], topk_ids_LDK[i], target, budgets,
-                                         full_vocab=full_vocab)
+                acc = ddtree_accept_topk(
+                    topk_logprobs_LDK[i], topk_ids_LDK[i], target, budgets, full_vocab=full_vocab
+                )
             memo[i] = [acc[b] for b in budgets]
         return memo[i]
 
@@ -259,7 +265,9 @@ def evaluate_prompt(
     """Chain walk, DDTree walks (when top-k inputs and budgets are given), pos-k accuracy."""
     trees: dict[int, TreeWalk] = {}
     if topk_logprobs_LDK is not None and budgets:
-        trees = walk_ddtree(topk_logprobs_LDK, topk_ids_LDK, greedy_L, budgets, full_vocab=full_vocab)
+        trees = walk_ddtree(
+            topk_logprobs_LDK, topk_ids_LDK, greedy_L, budgets, full_vocab=full_vocab
+        )
     hits, totals = position_hits(draft_LD, greedy_L)
     return PromptReport(walk_chain(draft_LD, greedy_L), trees, hits, totals, prompt_id)
 

@@ -1,4 +1,5 @@
 """Eval reports for people: a per-prompt table, a summary, and JSON."""
+
 from __future__ import annotations
 
 import json
@@ -15,23 +16,45 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def print_report(reports, summary: dict, budgets, show_rounds: int = 2, console: Console | None = None) -> None:
+def print_report(
+    reports, summary: dict, budgets, show_rounds: int = 2, console: Console | None = None
+) -> None:
     console = console or Console(width=160)
     t = Table(title="per prompt (greedy, exact offline simulation)")
-    for col in ["prompt", "rounds", "streak", "tau", *[f"dds@{b}" for b in budgets], "first rounds"]:
+    for col in [
+        "prompt",
+        "rounds",
+        "streak",
+        "tau",
+        *[f"dds@{b}" for b in budgets],
+        "first rounds",
+    ]:
         t.add_column(col, justify="left" if col == "first rounds" else "right")
     for r in reports:
         d = r.to_dict()
-        t.add_row(str(d["prompt_id"]), str(d["num_rounds"]), _fmt(d["streak"]), _fmt(d["tau"]),
-                  *[_fmt(d.get(f"dds@{b}", float("nan"))) for b in budgets],
-                  " ".join(d["matches"][:show_rounds]))
+        t.add_row(
+            str(d["prompt_id"]),
+            str(d["num_rounds"]),
+            _fmt(d["streak"]),
+            _fmt(d["tau"]),
+            *[_fmt(d.get(f"dds@{b}", float("nan"))) for b in budgets],
+            " ".join(d["matches"][:show_rounds]),
+        )
     console.print(t)
     s = Table(title="summary (micro-average over rounds)")
     s.add_column("metric")
     s.add_column("value", justify="right")
-    keys = ["num_prompts", "num_rounds", "streak", "tau", *[f"dds@{b}" for b in budgets],
-            *[f"tau@{b}" for b in budgets], *sorted((k for k in summary if k.startswith("acc_pos_")),
-                                                     key=lambda k: int(k.rsplit("_", 1)[1]))]
+    keys = [
+        "num_prompts",
+        "num_rounds",
+        "streak",
+        "tau",
+        *[f"dds@{b}" for b in budgets],
+        *[f"tau@{b}" for b in budgets],
+        *sorted(
+            (k for k in summary if k.startswith("acc_pos_")), key=lambda k: int(k.rsplit("_", 1)[1])
+        ),
+    ]
     for k in keys:
         if k in summary:
             s.add_row(k, _fmt(summary[k]))

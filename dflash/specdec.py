@@ -56,33 +56,41 @@ tokens. Greedy tokens come from the decoder's last hidden state through `lm_head
 
 Legend: P prompt length, B block size, D = B-1 drafted positions, b tree budget, V vocab.
 """
+
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
 from .blocks import block_attention_mask
 from .ddtree import build_ddtree
 
-__all__ = ["DecodeResult", "OracleDrafter", "generate_ar", "generate_chain", "generate_tree", "new_cache",
-           "is_hybrid_cache"]
+__all__ = [
+    "DecodeResult",
+    "OracleDrafter",
+    "generate_ar",
+    "generate_chain",
+    "generate_tree",
+    "new_cache",
+    "is_hybrid_cache",
+]
 
 
 # ----------------------------------------------------------------------------- result
 @dataclass
 class DecodeResult:
-    mode: str                                        # "ar", "chain", "tree@b"
-    tokens: list                                     # generated tokens (prompt excluded)
-    accepted: list = field(default_factory=list)     # accepted drafted tokens per verify round
-    wall_s: float = 0.0                              # prefill + decoding
+    mode: str  # "ar", "chain", "tree@b"
+    tokens: list  # generated tokens (prompt excluded)
+    accepted: list = field(default_factory=list)  # accepted drafted tokens per verify round
+    wall_s: float = 0.0  # prefill + decoding
     prefill_s: float = 0.0
-    drafts: list = field(default_factory=list)       # chain: drafted tokens per round (D each)
-    tree_sizes: list = field(default_factory=list)   # tree: nodes verified per round
-    verify_tokens: int = 0                           # tokens run through the target after prefill
+    drafts: list = field(default_factory=list)  # chain: drafted tokens per round (D each)
+    tree_sizes: list = field(default_factory=list)  # tree: nodes verified per round
+    verify_tokens: int = 0  # tokens run through the target after prefill
 
     @property
     def num_rounds(self) -> int:
@@ -98,21 +106,33 @@ class DecodeResult:
         return len(self.tokens) / self.wall_s if self.wall_s > 0 else math.nan
 
     def summary(self) -> dict:
-        return {"mode": self.mode, "tokens": len(self.tokens), "rounds": self.num_rounds,
-                "tau": self.tau, "wall_s": self.wall_s, "prefill_s": self.prefill_s,
-                "tokens_per_s": self.tokens_per_s, "verify_tokens": self.verify_tokens}
+        return {
+            "mode": self.mode,
+            "tokens": len(self.tokens),
+            "rounds": self.num_rounds,
+            "tau": self.tau,
+            "wall_s": self.wall_s,
+            "prefill_s": self.prefill_s,
+            "tokens_per_s": self.tokens_per_s,
+            "verify_tokens": self.verify_tokens,
+        }
 
 
 # ----------------------------------------------------------------------------- cache helpers
 def _cache_classes():
-    from transformers.cache_utils import (DynamicLayer, DynamicSlidingWindowLayer,
-                                          LinearAttentionCacheLayerMixin)
+    from transformers.cache_utils import (
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        LinearAttentionCacheLayerMixin,
+    )
+
     return DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 
 def new_cache(model):
     """`DynamicCache(config=...)`: a bare DynamicCache() fails for qwen3_5 (hybrid layers)."""
     from transformers import DynamicCache
+
     return DynamicCache(config=model.config)
 
 
@@ -120,6 +140,7 @@ def _cache_kw(module) -> str:
     """The forward's cache argument: `cache` in transformers >= 5.24 (`past_key_values`
     deprecated), `past_key_values` before."""
     import inspect
+
     try:
         params = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):
@@ -145,9 +166,13 @@ def snapshot_linear_state(cache) -> list:
     for layer in _linear_layers(cache):
         s = {}
         for i in range(layer.number_of_states):
-            s[i] = (layer.conv_states[i].clone() if layer.is_conv_states_initialized[i] else None,
-                    layer.recurrent_states[i].clone() if layer.is_recurrent_states_initialized[i] else None,
-                    layer.has_previous_state[i])
+            s[i] = (
+                layer.conv_states[i].clone() if layer.is_conv_states_initialized[i] else None,
+                layer.recurrent_states[i].clone()
+                if layer.is_recurrent_states_initialized[i]
+                else None,
+                layer.has_previous_state[i],
+            )
         snap.append(s)
     return snap
 
@@ -184,7 +209,9 @@ def gather_attention(cache, keep_idx: torch.Tensor) -> None:
     Dyn, Slide, Lin = _cache_classes()
     for layer in cache.layers:
         if isinstance(layer, Slide):
-            raise NotImplementedError("tree verification on sliding-window cache layers is not supported")
+            raise NotImplementedError(
+                "tree verification on sliding-window cache layers is not supported"
+            )
         if isinstance(layer, Dyn):
             if layer.is_initialized:
                 idx = keep_idx.to(layer.keys.device)
@@ -197,13 +224,16 @@ def gather_attention(cache, keep_idx: torch.Tensor) -> None:
 def expand_cache(model, cache, n: int):
     """A new cache holding n copies (batch) of the batch-1 `cache`; `cache` is left untouched."""
     from transformers.cache_utils import LinearAttentionLayer
+
     Dyn, Slide, Lin = _cache_classes()
     out = new_cache(model)
     for src, dst in zip(cache.layers, out.layers):
         if type(src) is not type(dst):
             raise NotImplementedError(f"cache layer {type(src).__name__} vs {type(dst).__name__}")
         if isinstance(src, Slide):
-            raise NotImplementedError("tree verification on sliding-window cache layers is not supported")
+            raise NotImplementedError(
+                "tree verification on sliding-window cache layers is not supported"
+            )
         if isinstance(src, Lin):
             for i in range(src.number_of_states):
                 conv = src.conv_states[i] if src.is_conv_states_initialized[i] else None
@@ -212,8 +242,13 @@ def expand_cache(model, cache, n: int):
                 conv_r = rep(conv) if conv is not None else None
                 rec_r = rep(rec) if rec is not None else None
                 # the linear part's initializer (mixed attention+linear layers dispatch on kwargs)
-                LinearAttentionLayer.lazy_initialization(dst, conv_states=conv_r, recurrent_states=rec_r,
-                                                         state_idx=i, conv_kernel_size=src.conv_kernel_size[i])
+                LinearAttentionLayer.lazy_initialization(
+                    dst,
+                    conv_states=conv_r,
+                    recurrent_states=rec_r,
+                    state_idx=i,
+                    conv_kernel_size=src.conv_kernel_size[i],
+                )
                 if conv_r is not None:
                     dst.conv_states[i].copy_(conv_r)
                 if rec_r is not None:
@@ -235,15 +270,27 @@ class _TargetRunner:
         self.cache_kw = _cache_kw(self.decoder)
 
     @torch.no_grad()
-    def __call__(self, ids_NT: torch.Tensor, pos_NT: torch.Tensor, cache, attn_mask=None,
-                 want_aux: bool = True, last_only: bool = False):
+    def __call__(
+        self,
+        ids_NT: torch.Tensor,
+        pos_NT: torch.Tensor,
+        cache,
+        attn_mask=None,
+        want_aux: bool = True,
+        last_only: bool = False,
+    ):
         """Returns the target's greedy tokens [N, T] ([N, 1] with last_only) and aux [N, T, K*H]
         (or None). Runs the decoder and takes the argmax of lm_head in chunks
         (`Target.greedy_from_hidden`, as `Target.capture`), so the full [N, T, V] logits of a
         large tree batch are never held."""
         with self.target.tap_aux(enabled=want_aux) as taps:
-            out = self.decoder(input_ids=ids_NT, position_ids=pos_NT, attention_mask=attn_mask,
-                               use_cache=True, **{self.cache_kw: cache})
+            out = self.decoder(
+                input_ids=ids_NT,
+                position_ids=pos_NT,
+                attention_mask=attn_mask,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
         final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         if last_only:
             final = final[:, -1:]
@@ -268,8 +315,9 @@ def _sync(device) -> None:
 
 # ----------------------------------------------------------------------------- AR baseline
 @torch.no_grad()
-def generate_ar(target, prompt_ids, max_new_tokens: int,
-                eos_token_id: Optional[int] = None) -> DecodeResult:
+def generate_ar(
+    target, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None
+) -> DecodeResult:
     """Plain greedy decoding on the HF cache, one token per forward."""
     model, dev = target.model, target.device
     ids = _as_prompt(target, prompt_ids)
@@ -278,16 +326,25 @@ def generate_ar(target, prompt_ids, max_new_tokens: int,
     t0 = time.perf_counter()
     cache = new_cache(model)
     kw = _cache_kw(model)
-    logits = model(input_ids=ids, position_ids=_arange(0, P, dev), use_cache=True, logits_to_keep=1,
-                   **{kw: cache}).logits
+    logits = model(
+        input_ids=ids,
+        position_ids=_arange(0, P, dev),
+        use_cache=True,
+        logits_to_keep=1,
+        **{kw: cache},
+    ).logits
     tok = int(logits[0, -1].argmax())
     _sync(dev)
     t_pre = time.perf_counter() - t0
     out = [tok]
     while len(out) < max_new_tokens and tok != eos_token_id:
         pos = P + len(out) - 1
-        logits = model(input_ids=torch.tensor([[tok]], device=dev), position_ids=_arange(pos, 1, dev),
-                       use_cache=True, **{kw: cache}).logits
+        logits = model(
+            input_ids=torch.tensor([[tok]], device=dev),
+            position_ids=_arange(pos, 1, dev),
+            use_cache=True,
+            **{kw: cache},
+        ).logits
         tok = int(logits[0, -1].argmax())
         out.append(tok)
     _sync(dev)
@@ -304,7 +361,7 @@ class _DrafterState:
         self.target, self.drafter, self.spec = target, drafter, drafter.spec
         p = next(drafter.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.ctx_kv: Optional[list] = None
+        self.ctx_kv: list | None = None
         self.T = 0
 
     @torch.no_grad()
@@ -314,37 +371,53 @@ class _DrafterState:
         if n == 0:
             return
         pos = _arange(self.T, n, self.device)
-        kv = self.drafter.context_kv(self.drafter.context(aux_TF.to(self.device, self.dtype)[None]), pos)
+        kv = self.drafter.context_kv(
+            self.drafter.context(aux_TF.to(self.device, self.dtype)[None]), pos
+        )
         if self.ctx_kv is None:
             self.ctx_kv = kv
         else:
-            self.ctx_kv = [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                           for (k0, v0), (k1, v1) in zip(self.ctx_kv, kv)]
+            self.ctx_kv = [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                for (k0, v0), (k1, v1) in zip(self.ctx_kv, kv)
+            ]
         self.T += n
 
     def masks(self, start: int) -> dict:
         """Per layer type bool [1, 1, B, start + B]: the training/eval rule of dflash.blocks
         (context < anchor, full layers bidirectional in the block, sliding causal + window)."""
         spec, dev = self.spec, self.device
-        pos = torch.arange(start + 1, device=dev)[None]           # context + the anchor itself
+        pos = torch.arange(start + 1, device=dev)[None]  # context + the anchor itself
         seg = torch.zeros_like(pos)
         anchors = torch.tensor([[start]], device=dev)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         out = {}
         for t in set(spec.layer_types):
-            m = block_attention_mask(anchors, valid, pos, seg, spec.block_size,
-                                     causal_in_block=(t == "sliding_attention"),
-                                     window=spec.sliding_window if t == "sliding_attention" else None)
-            out[t] = torch.cat([m[..., :start], m[..., start + 1:]], dim=-1)  # drop the anchor column
+            m = block_attention_mask(
+                anchors,
+                valid,
+                pos,
+                seg,
+                spec.block_size,
+                causal_in_block=(t == "sliding_attention"),
+                window=spec.sliding_window if t == "sliding_attention" else None,
+            )
+            out[t] = torch.cat(
+                [m[..., :start], m[..., start + 1 :]], dim=-1
+            )  # drop the anchor column
         return out
 
     @torch.no_grad()
     def draft_logits(self, start: int, bonus: int) -> torch.Tensor:
         """float32 logits [D, V] of block positions 1..B-1 for the block anchored at `start`."""
         if self.T != start:
-            raise AssertionError(f"drafter context holds {self.T} positions, block anchored at {start}")
+            raise AssertionError(
+                f"drafter context holds {self.T} positions, block anchored at {start}"
+            )
         B, dev = self.spec.block_size, self.device
-        ids = torch.full((1, B), self.spec.mask_token_id, dtype=torch.long, device=self.target.device)
+        ids = torch.full(
+            (1, B), self.spec.mask_token_id, dtype=torch.long, device=self.target.device
+        )
         ids[0, 0] = bonus
         emb = self.target.embed_tokens(ids).to(dev, self.dtype)
         h = self.drafter(emb, _arange(start, B, dev), self.masks(start), ctx_kv=self.ctx_kv)[0, 1:]
@@ -359,9 +432,16 @@ def _leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:
 
 # ----------------------------------------------------------------------------- chain
 @torch.no_grad()
-def generate_chain(target, drafter, prompt_ids, max_new_tokens: int, *,
-                   eos_token_id: Optional[int] = None, rollback: str = "auto",
-                   draft_fn: Optional[Callable] = None) -> DecodeResult:
+def generate_chain(
+    target,
+    drafter,
+    prompt_ids,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    rollback: str = "auto",
+    draft_fn: Callable | None = None,
+) -> DecodeResult:
     """Chain speculative decoding (z-lab `dflash_generate`); output identical to greedy.
 
     rollback: "auto" (crop attention; snapshot/restore + re-run for linear-attention layers) or
@@ -391,22 +471,28 @@ def generate_chain(target, drafter, prompt_ids, max_new_tokens: int, *,
     draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         bonus = out[-1]
-        draft = draft_fn(ds, start, bonus).argmax(-1).to(dev)            # [D]
+        draft = draft_fn(ds, start, bonus).argmax(-1).to(dev)  # [D]
         block = torch.cat([torch.tensor([bonus], device=dev), draft])[None]
         snap = snapshot_linear_state(cache) if hybrid and rollback == "auto" else None
         greedy, aux = run(block, _arange(start, B, dev), cache)
         res.verify_tokens += B
-        tgt = greedy[0]                                                  # [B]
+        tgt = greedy[0]  # [B]
         acc = min(_leading_matches(draft, tgt[:-1]), max_new_tokens - len(out))
         new = draft[:acc].tolist() + [int(tgt[acc])]
-        keep = acc + 1                                                   # bonus + accepted drafts
+        keep = acc + 1  # bonus + accepted drafts
         if keep < B:
             if rollback == "crop":
                 cache.crop(-(B - keep))
             elif hybrid:
                 restore_linear_state(cache, snap)
                 crop_attention(cache, B)
-                run(block[:, :keep], _arange(start, keep, dev), cache, want_aux=False, last_only=True)
+                run(
+                    block[:, :keep],
+                    _arange(start, keep, dev),
+                    cache,
+                    want_aux=False,
+                    last_only=True,
+                )
                 res.verify_tokens += keep
             else:
                 crop_attention(cache, B - keep)
@@ -425,7 +511,7 @@ def generate_chain(target, drafter, prompt_ids, max_new_tokens: int, *,
     return res
 
 
-def _finish(out: list, max_new_tokens: int, eos_token_id: Optional[int]) -> list:
+def _finish(out: list, max_new_tokens: int, eos_token_id: int | None) -> list:
     out = out[:max_new_tokens]
     if eos_token_id is not None and eos_token_id in out:
         out = out[: out.index(eos_token_id) + 1]
@@ -440,7 +526,7 @@ def _tree_verify_mask(tree, start: int, dtype, device) -> torch.Tensor:
     b = tree.num_nodes
     allowed = torch.zeros(1 + b, start + 1 + b, dtype=torch.bool, device=device)
     allowed[:, : start + 1] = True
-    allowed[1:, start + 1:] = tree.visibility.to(device)
+    allowed[1:, start + 1 :] = tree.visibility.to(device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
@@ -489,9 +575,16 @@ def _root_to_leaf_paths(tree) -> list:
 
 
 @torch.no_grad()
-def generate_tree(target, drafter, prompt_ids, max_new_tokens: int, budget: int, *,
-                  eos_token_id: Optional[int] = None,
-                  draft_fn: Optional[Callable] = None) -> DecodeResult:
+def generate_tree(
+    target,
+    drafter,
+    prompt_ids,
+    max_new_tokens: int,
+    budget: int,
+    *,
+    eos_token_id: int | None = None,
+    draft_fn: Callable | None = None,
+) -> DecodeResult:
     """DDTree speculative decoding; output identical to greedy.
 
     Attention-only targets: one forward over [bonus, tree nodes] with depth positions and the
@@ -526,11 +619,15 @@ def generate_tree(target, drafter, prompt_ids, max_new_tokens: int, budget: int,
             am = greedy[0].tolist()
             path, nxt = _walk_tree(tree, am[1:], am[0], cap)
             rows = [0] + [1 + i for i in path]
-            keep_idx = torch.cat([torch.arange(start + 1), start + 1 + torch.tensor(path, dtype=torch.long)])
+            keep_idx = torch.cat(
+                [torch.arange(start + 1), start + 1 + torch.tensor(path, dtype=torch.long)]
+            )
             gather_attention(cache, keep_idx)
             new_aux = aux[0, rows]
         else:
-            path, nxt, n_tok = _verify_tree_as_paths(run, model, cache, tree, bonus, start, cap, dev)
+            path, nxt, n_tok = _verify_tree_as_paths(
+                run, model, cache, tree, bonus, start, cap, dev
+            )
             res.verify_tokens += n_tok
             acc_ids = torch.tensor([[bonus] + tree.tokens[path].tolist()], device=dev)
             _, aux = run(acc_ids, _arange(start, acc_ids.shape[1], dev), cache, last_only=True)
@@ -562,7 +659,7 @@ def _verify_tree_as_paths(run, model, cache, tree, bonus: int, start: int, cap: 
     toks = tree.tokens.tolist()
     rows = torch.full((len(paths), L), bonus, dtype=torch.long)
     for r, p in enumerate(paths):
-        rows[r, 1:1 + len(p)] = torch.tensor([toks[i] for i in p], dtype=torch.long)
+        rows[r, 1 : 1 + len(p)] = torch.tensor([toks[i] for i in p], dtype=torch.long)
     bcache = expand_cache(model, cache, len(paths))
     pos = _arange(start, L, dev).expand(len(paths), L)
     greedy, _ = run(rows.to(dev), pos, bcache, want_aux=False)
@@ -596,15 +693,24 @@ class OracleDrafter(torch.nn.Module):
 
     HIT, SECOND, MISS = 0, 1, 2
 
-    def __init__(self, base, lm_head_weight: torch.Tensor, truth: Sequence[int] = (),
-                 pattern: str = "mixed", seed: int = 0, strength: float = 10.0):
+    def __init__(
+        self,
+        base,
+        lm_head_weight: torch.Tensor,
+        truth: Sequence[int] = (),
+        pattern: str = "mixed",
+        seed: int = 0,
+        strength: float = 10.0,
+    ):
         super().__init__()
         if pattern not in ("mixed", "full", "none"):
             raise ValueError(f"pattern={pattern!r}")
         self.base, self.spec = base, base.spec
         self.pattern, self.seed, self.strength = pattern, int(seed), float(strength)
         W = lm_head_weight.detach()
-        self.register_buffer("dirs", W / W.pow(2).sum(-1, keepdim=True), persistent=False)  # dirs[t].W[t] = 1
+        self.register_buffer(
+            "dirs", W / W.pow(2).sum(-1, keepdim=True), persistent=False
+        )  # dirs[t].W[t] = 1
         self.truth = list(truth)
 
     def _h(self, p: int, k: int) -> int:
@@ -619,7 +725,7 @@ class OracleDrafter(torch.nn.Module):
         if self.pattern == "none":
             return self.MISS
         D = self.spec.block_size - 1
-        s = min(max(self._h(p, 0) % (D + 5) - 2, 0), D)   # P(0) = P(D) = 3/(D+5)
+        s = min(max(self._h(p, 0) % (D + 5) - 2, 0), D)  # P(0) = P(D) = 3/(D+5)
         if k <= s:
             return self.HIT
         if k == s + 1:
@@ -632,8 +738,17 @@ class OracleDrafter(torch.nn.Module):
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)
 
-    def forward(self, block_emb_NQH, block_pos_NQ, masks, aux_NTF=None, ctx_pos_NT=None, ctx_kv=None):
-        h = self.base(block_emb_NQH, block_pos_NQ, masks, aux_NTF=aux_NTF, ctx_pos_NT=ctx_pos_NT, ctx_kv=ctx_kv)
+    def forward(
+        self, block_emb_NQH, block_pos_NQ, masks, aux_NTF=None, ctx_pos_NT=None, ctx_kv=None
+    ):
+        h = self.base(
+            block_emb_NQH,
+            block_pos_NQ,
+            masks,
+            aux_NTF=aux_NTF,
+            ctx_pos_NT=ctx_pos_NT,
+            ctx_kv=ctx_kv,
+        )
         if self.pattern == "none" or not self.truth:
             return h
         B, V = self.spec.block_size, self.dirs.shape[0]
@@ -653,5 +768,7 @@ class OracleDrafter(torch.nn.Module):
                 if lab == self.HIT:
                     add[n, q] = self.strength * self.dirs[tok].to(h.dtype)
                 elif lab == self.SECOND:
-                    add[n, q] = self.strength * (0.6 * self.dirs[tok] + 0.8 * self.dirs[(tok + 1) % V]).to(h.dtype)
+                    add[n, q] = self.strength * (
+                        0.6 * self.dirs[tok] + 0.8 * self.dirs[(tok + 1) % V]
+                    ).to(h.dtype)
         return h + add

@@ -3,29 +3,35 @@
 Legend: N rows, T positions, K aux layers, H hidden size, V vocab.
 Layer id l = output of decoder layer l = HF `hidden_states[l + 1]`.
 """
+
 from __future__ import annotations
 
 import contextlib
 import importlib
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from .config import TargetConfig
 
-_GDN_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
-                "transformers.models.qwen3_next.modeling_qwen3_next")
+_GDN_MODULES = (
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+)
 # Canonical Gated-DeltaNet op -> module attribute names. transformers >= 5.15 binds each op
 # through `use_kernel_func_from_hub_with_fallback`, a wrapper named after the torch function
 # whose closure holds the chosen implementation; older versions expose the fla/causal_conv1d
 # function (or None = torch fallback) under the kernel's own name.
 _GDN_OPS = {
     "chunk_gated_delta_rule": ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
-    "recurrent_gated_delta_rule": ("torch_recurrent_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    "recurrent_gated_delta_rule": (
+        "torch_recurrent_gated_delta_rule",
+        "fused_recurrent_gated_delta_rule",
+    ),
     "causal_conv1d_fn": ("causal_conv1d_fn",),
     "causal_conv1d_update": ("causal_conv1d_update",),
 }
@@ -58,15 +64,21 @@ def select_linear_attn_backend(backend: str, device: torch.device) -> str:
         backend = "fla" if device.type == "cuda" and _fla_importable() else "torch"
     if backend == "fla":
         if device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError("target.linear_attn_backend=fla needs a CUDA device (fla kernels are "
-                             "Triton GPU kernels); use linear_attn_backend=torch on CPU")
+            raise ValueError(
+                "target.linear_attn_backend=fla needs a CUDA device (fla kernels are "
+                "Triton GPU kernels); use linear_attn_backend=torch on CPU"
+            )
         if not _fla_importable():
             if _HIDDEN_BY_DFLASH and "fla" in sys.modules and sys.modules["fla"] is None:
-                raise ValueError("target.linear_attn_backend=fla, but this process already selected "
-                                 "the torch backend (fla is hidden from imports); the backend is bound "
-                                 "at import, so run the fla target in a fresh process")
-            raise ValueError("target.linear_attn_backend=fla but flash-linear-attention is not "
-                             "installed; `pip install 'dflash[gpu]'` or use linear_attn_backend=torch")
+                raise ValueError(
+                    "target.linear_attn_backend=fla, but this process already selected "
+                    "the torch backend (fla is hidden from imports); the backend is bound "
+                    "at import, so run the fla target in a fresh process"
+                )
+            raise ValueError(
+                "target.linear_attn_backend=fla but flash-linear-attention is not "
+                "installed; `pip install 'dflash[gpu]'` or use linear_attn_backend=torch"
+            )
     already = [m for m in _GDN_MODULES if m in sys.modules]
     for mod in already:
         current = linear_attn_kind(linear_attn_report(sys.modules[mod]))
@@ -74,7 +86,8 @@ def select_linear_attn_backend(backend: str, device: torch.device) -> str:
             raise ValueError(
                 f"target.linear_attn_backend: {mod} was imported with the {current} Gated-DeltaNet "
                 f"kernels before dflash could select {backend!r}; select the backend before importing "
-                "the model (use dflash.target.load_target) or start a fresh process")
+                "the model (use dflash.target.load_target) or start a fresh process"
+            )
     if backend == "torch":
         _hide_gpu_kernels()
     return backend
@@ -111,6 +124,7 @@ def _fla_importable() -> bool:
         return sys.modules["fla"] is not None
     try:
         import importlib.util
+
         return importlib.util.find_spec("fla") is not None
     except (ImportError, ValueError):
         return False
@@ -127,12 +141,15 @@ def linear_attn_report(module=None) -> dict:
     mods = [sys.modules[m] for m in _GDN_MODULES if sys.modules.get(m) is not None]
     if len(mods) == 1:
         return _module_report(mods[0])
-    return {f"{m.__name__.rsplit('.', 1)[-1].removeprefix('modeling_')}.{k}": v
-            for m in mods for k, v in _module_report(m).items()}
+    return {
+        f"{m.__name__.rsplit('.', 1)[-1].removeprefix('modeling_')}.{k}": v
+        for m in mods
+        for k, v in _module_report(m).items()
+    }
 
 
 def linear_attn_kind(report: dict) -> str:
-    """"fla", "torch", "mixed" or "none" (no GDN module imported) for a linear_attn_report."""
+    """ "fla", "torch", "mixed" or "none" (no GDN module imported) for a linear_attn_report."""
     kinds = {v.split(" (", 1)[0] for k, v in report.items() if "gated_delta_rule" in k}
     if not kinds:
         return "none"
@@ -201,16 +218,22 @@ def load_conf(group: str, name_or_path: str) -> dict:
     if not os.path.exists(path):
         path = os.path.join(CONF_DIR, group, f"{name_or_path.removesuffix('.yaml')}.yaml")
     if not os.path.exists(path):
-        names = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml"))
-        raise FileNotFoundError(f"{group} {name_or_path!r}: no such yaml; choose one of {names} or give a path")
+        names = sorted(
+            f[:-5] for f in os.listdir(os.path.join(CONF_DIR, group)) if f.endswith(".yaml")
+        )
+        raise FileNotFoundError(
+            f"{group} {name_or_path!r}: no such yaml; choose one of {names} or give a path"
+        )
     try:
         from omegaconf import OmegaConf
+
         conf = OmegaConf.load(path)
         missing = [k for k in conf if OmegaConf.is_missing(conf, k)]
         raw = OmegaConf.to_container(conf, resolve=True)
         raw.update({k: "???" for k in missing})  # mandatory: the user must set it
     except ImportError:
         import yaml
+
         with open(path) as f:
             raw = _resolve_env(yaml.safe_load(f))
     return {k: v for k, v in (raw or {}).items() if k != "defaults"}
@@ -232,7 +255,7 @@ def _resolve_env(x):
         return x
     pat = re.compile(r"\$\{oc\.env:([A-Za-z_][A-Za-z0-9_]*)(?:,([^${}]*))?\}")
     while (m := pat.search(x)) is not None:  # innermost first: defaults hold no ${...}
-        x = x[:m.start()] + os.environ.get(m.group(1), m.group(2) or "") + x[m.end():]
+        x = x[: m.start()] + os.environ.get(m.group(1), m.group(2) or "") + x[m.end() :]
     return x
 
 
@@ -256,12 +279,14 @@ def load_hf_model(cfg: TargetConfig, device: torch.device, dtype: torch.dtype):
             hf_cfg.initializer_range = cfg.init_std
         torch.manual_seed(cfg.init_seed)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype,
-                                                     attn_implementation=cfg.attn_implementation)
+            model = AutoModelForCausalLM.from_config(
+                hf_cfg, dtype=dtype, attn_implementation=cfg.attn_implementation
+            )
     else:
         path = resolve_local_path(cfg)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device},
-                                                     attn_implementation=cfg.attn_implementation)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, device_map={"": device}, attn_implementation=cfg.attn_implementation
+        )
         tokenizer = AutoTokenizer.from_pretrained(path)
     model.eval().requires_grad_(False)
     return model, tokenizer
@@ -270,15 +295,19 @@ def load_hf_model(cfg: TargetConfig, device: torch.device, dtype: torch.dtype):
 def resolve_local_path(cfg: TargetConfig) -> str:
     """A local HF directory; a GGUF file is converted once to a plain directory next to it."""
     if cfg.path in (None, "???"):
-        raise ValueError(f"target {cfg.name!r}: target.path is not set; point it at a local directory "
-                         "with the target's weights (nothing is downloaded at run time)")
+        raise ValueError(
+            f"target {cfg.name!r}: target.path is not set; point it at a local directory "
+            "with the target's weights (nothing is downloaded at run time)"
+        )
     path = os.path.expanduser(str(cfg.path))
     if not os.path.exists(path):
         hint = ""
         if cfg.gguf_file:
             hint = " (fetch it with `bash ../shared/scripts/fetch_models.sh`)"
-        raise FileNotFoundError(f"target.path={path!r} does not exist{hint}; set target.path to a "
-                                "local directory with the target's weights")
+        raise FileNotFoundError(
+            f"target.path={path!r} does not exist{hint}; set target.path to a "
+            "local directory with the target's weights"
+        )
     if not cfg.gguf_file:
         return path
     converted = os.path.join(path, "hf-" + os.path.splitext(os.path.basename(cfg.gguf_file))[0])
@@ -303,6 +332,7 @@ def resolve_local_path(cfg: TargetConfig) -> str:
         os.replace(tmp, converted)
     except OSError:  # another process converted it first
         import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(os.path.join(converted, "config.json")):
             raise
@@ -318,9 +348,11 @@ def check_bound_backend(model: nn.Module, backend: str) -> str:
         return "none"
     kind = linear_attn_kind(linear_attn_report(mod))
     if kind != backend:
-        raise ValueError(f"target.linear_attn_backend={backend!r} but the Gated-DeltaNet ops are bound "
-                           f"to {kind}: {linear_attn_report(mod)} (fla failed to import, or the modeling "
-                           "module was imported before the backend was selected)")
+        raise ValueError(
+            f"target.linear_attn_backend={backend!r} but the Gated-DeltaNet ops are bound "
+            f"to {kind}: {linear_attn_report(mod)} (fla failed to import, or the modeling "
+            "module was imported before the backend was selected)"
+        )
     return kind
 
 
@@ -339,14 +371,17 @@ def check_layer_ids(layer_ids: Sequence[int], num_target_layers: int) -> list[in
         raise ValueError("drafter.target_layer_ids is empty; give at least one target layer id")
     bad = [i for i in ids if i < 0 or i >= num_target_layers]
     if bad:
-        raise ValueError(f"drafter.target_layer_ids {bad} out of range for a target with "
-                         f"{num_target_layers} layers (valid: 0..{num_target_layers - 2})")
+        raise ValueError(
+            f"drafter.target_layer_ids {bad} out of range for a target with "
+            f"{num_target_layers} layers (valid: 0..{num_target_layers - 2})"
+        )
     if num_target_layers - 1 in ids:
         raise ValueError(
             f"drafter.target_layer_ids contains {num_target_layers - 1}, the target's final layer: "
             "its output produces the target logits, so the drafter would learn a shortcut that does "
             f"not exist at inference. Use ids <= {num_target_layers - 2} (default: evenly spaced over "
-            f"1..{num_target_layers - 3})")
+            f"1..{num_target_layers - 3})"
+        )
     if len(set(ids)) != len(ids):
         raise ValueError(f"drafter.target_layer_ids has duplicates: {ids}")
     return ids
@@ -361,9 +396,10 @@ class TargetOutput:
     prediction for position t+1 (argmax of the clean logits at t): the hard labels.
     final_hidden_NTH: the last normed hidden state (only for an explicit soft loss).
     """
+
     aux_NTF: torch.Tensor
     next_token_NT: torch.Tensor
-    final_hidden_NTH: Optional[torch.Tensor] = None
+    final_hidden_NTH: torch.Tensor | None = None
 
 
 class _AuxTaps:
@@ -373,9 +409,10 @@ class _AuxTaps:
     def hook(self, lid: int):
         def fn(_mod, _inp, out):
             self.captured[lid] = out[0] if isinstance(out, (tuple, list)) else out
+
         return fn
 
-    def aux(self) -> Optional[torch.Tensor]:
+    def aux(self) -> torch.Tensor | None:
         if not self.captured:
             return None
         return torch.cat([self.captured[lid] for lid in self.layer_ids], dim=-1)
@@ -384,8 +421,14 @@ class _AuxTaps:
 class Target(nn.Module):
     """Frozen HF causal LM + the aux layers the drafter reads."""
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], tokenizer=None,
-                 mask_token_id: Optional[int] = None, backend: str = "torch"):
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_ids: Sequence[int],
+        tokenizer=None,
+        mask_token_id: int | None = None,
+        backend: str = "torch",
+    ):
         super().__init__()
         self.model = model
         self.tokenizer = tokenizer
@@ -416,13 +459,19 @@ class Target(nn.Module):
         return self.model.get_decoder().layers
 
     @torch.no_grad()
-    def capture(self, input_ids_NT: torch.Tensor, attention_mask_NT: Optional[torch.Tensor] = None,
-                with_final_hidden: bool = False, label_chunk: int = 4096) -> TargetOutput:
+    def capture(
+        self,
+        input_ids_NT: torch.Tensor,
+        attention_mask_NT: torch.Tensor | None = None,
+        with_final_hidden: bool = False,
+        label_chunk: int = 4096,
+    ) -> TargetOutput:
         """One no-grad forward: aux states via hooks (only the K taps are kept), hard labels from
         the clean logits computed in chunks (the full [N, T, V] logits are never held)."""
         with self.tap_aux() as taps:
-            out = self.model.get_decoder()(input_ids=input_ids_NT, attention_mask=attention_mask_NT,
-                                           use_cache=False)
+            out = self.model.get_decoder()(
+                input_ids=input_ids_NT, attention_mask=attention_mask_NT, use_cache=False
+            )
         final_NTH = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         aux_NTF = taps.aux()
         next_token_NT = self.greedy_from_hidden(final_NTH, label_chunk)
@@ -433,8 +482,10 @@ class Target(nn.Module):
         """Forward hooks on the aux layers for the duration of one forward; `.aux()` then returns
         their outputs concatenated in layer-id order [N, T, K*H] (None when disabled)."""
         taps = _AuxTaps(self.layer_ids)
-        handles = [self.decoder_layers()[lid].register_forward_hook(taps.hook(lid))
-                   for lid in (self.layer_ids if enabled else [])]
+        handles = [
+            self.decoder_layers()[lid].register_forward_hook(taps.hook(lid))
+            for lid in (self.layer_ids if enabled else [])
+        ]
         try:
             yield taps
         finally:
@@ -445,11 +496,11 @@ class Target(nn.Module):
         flat = final_NTH.reshape(-1, final_NTH.shape[-1])
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for i in range(0, flat.shape[0], chunk):
-            out[i:i + chunk] = self.lm_head(flat[i:i + chunk]).argmax(-1)
+            out[i : i + chunk] = self.lm_head(flat[i : i + chunk]).argmax(-1)
         return out.view(final_NTH.shape[:-1])
 
 
-def resolve_mask_token_id(tokenizer, vocab_size: int, requested: Optional[int]) -> int:
+def resolve_mask_token_id(tokenizer, vocab_size: int, requested: int | None) -> int:
     if requested is not None:
         mid = int(requested)
     elif tokenizer is None:
@@ -461,15 +512,22 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, requested: Optional[int]) 
             "the target's tokenizer has no mask token; set target.mask_token_id to a special token "
             "id that never occurs in text (e.g. an unused reserved/FIM token), or add one with "
             "tokenizer.add_special_tokens({'mask_token': '<|MASK|>'}) and save the tokenizer "
-            "(the id must be < the embedding size)")
+            "(the id must be < the embedding size)"
+        )
     if not 0 <= mid < vocab_size:
-        raise ValueError(f"mask token id {mid} is outside the target's embedding (vocab {vocab_size}); "
-                         "set target.mask_token_id to an id < vocab size")
+        raise ValueError(
+            f"mask token id {mid} is outside the target's embedding (vocab {vocab_size}); "
+            "set target.mask_token_id to an id < vocab size"
+        )
     return mid
 
 
-def load_target(cfg: TargetConfig, layer_ids: Optional[Sequence[int]] = None, num_aux: int = 5,
-                mask_token_id: Optional[int] = None) -> Target:
+def load_target(
+    cfg: TargetConfig,
+    layer_ids: Sequence[int] | None = None,
+    num_aux: int = 5,
+    mask_token_id: int | None = None,
+) -> Target:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     backend = select_linear_attn_backend(cfg.linear_attn_backend, device)

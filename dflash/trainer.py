@@ -2,11 +2,11 @@
 
 Legend: N rows, T positions, A anchors, B block size, Q = A*B, H hidden, M labelled positions.
 """
+
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,32 +23,54 @@ from .target import check_layer_ids, default_layer_ids, resolve_dtype
 @dataclass
 class Heads:
     """The target's frozen input embedding and LM head, shared by the drafter."""
+
     embed: nn.Embedding
     lm_head: nn.Linear
 
 
-def resolve_spec(dcfg: DrafterConfig, num_target_layers: int, hidden_size: int, vocab_size: int,
-                 intermediate_size: int, num_heads: int, num_kv_heads: int, mask_token_id: int) -> DrafterSpec:
+def resolve_spec(
+    dcfg: DrafterConfig,
+    num_target_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    intermediate_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    mask_token_id: int,
+) -> DrafterSpec:
     ids = dcfg.target_layer_ids
-    ids = check_layer_ids(ids if ids is not None else default_layer_ids(num_target_layers, dcfg.num_aux_layers),
-                          num_target_layers)
+    ids = check_layer_ids(
+        ids if ids is not None else default_layer_ids(num_target_layers, dcfg.num_aux_layers),
+        num_target_layers,
+    )
     if dcfg.hidden_size is not None and dcfg.hidden_size != hidden_size:
-        raise ValueError(f"drafter.hidden_size={dcfg.hidden_size} but the target's hidden size is "
-                         f"{hidden_size}; the drafter shares the target's embedding and lm_head, so they "
-                         "must match (leave drafter.hidden_size=null to copy it)")
+        raise ValueError(
+            f"drafter.hidden_size={dcfg.hidden_size} but the target's hidden size is "
+            f"{hidden_size}; the drafter shares the target's embedding and lm_head, so they "
+            "must match (leave drafter.hidden_size=null to copy it)"
+        )
     if not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask token id {mask_token_id} is not < vocab size {vocab_size}")
     heads = dcfg.num_attention_heads or num_heads
     head_dim = dcfg.head_dim or hidden_size // heads
     return DrafterSpec(
-        hidden_size=hidden_size, intermediate_size=dcfg.intermediate_size or intermediate_size,
-        num_hidden_layers=dcfg.num_layers, num_attention_heads=heads,
-        num_key_value_heads=dcfg.num_key_value_heads or num_kv_heads or heads, head_dim=head_dim,
-        vocab_size=vocab_size, block_size=dcfg.block_size, mask_token_id=mask_token_id,
-        target_layer_ids=ids, num_target_layers=num_target_layers,
+        hidden_size=hidden_size,
+        intermediate_size=dcfg.intermediate_size or intermediate_size,
+        num_hidden_layers=dcfg.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=dcfg.num_key_value_heads or num_kv_heads or heads,
+        head_dim=head_dim,
+        vocab_size=vocab_size,
+        block_size=dcfg.block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=ids,
+        num_target_layers=num_target_layers,
         layer_types=list(dcfg.layer_types or ["full_attention"] * dcfg.num_layers),
-        sliding_window=dcfg.sliding_window, rms_norm_eps=dcfg.rms_norm_eps, rope_theta=dcfg.rope_theta,
-        max_position_embeddings=dcfg.max_position_embeddings)
+        sliding_window=dcfg.sliding_window,
+        rms_norm_eps=dcfg.rms_norm_eps,
+        rope_theta=dcfg.rope_theta,
+        max_position_embeddings=dcfg.max_position_embeddings,
+    )
 
 
 compute_dtype = resolve_dtype  # same rule for the target's and the drafter's compute dtype
@@ -59,8 +81,14 @@ def row_seed(base: int, step: int, key: int) -> int:
 
 
 class DrafterTrainer:
-    def __init__(self, drafter: DFlashDrafter, heads: Heads, cfg: TrainConfig, device: torch.device,
-                 dp_group=None):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        heads: Heads,
+        cfg: TrainConfig,
+        device: torch.device,
+        dp_group=None,
+    ):
         self.cfg, self.device, self.heads = cfg, device, heads
         self.spec: DrafterSpec = drafter.spec
         self.drafter = drafter.to(device=device, dtype=torch.float32)  # fp32 master weights
@@ -69,17 +97,27 @@ class DrafterTrainer:
         self.model: nn.Module = self.drafter
         if self.dp_world > 1:
             self.model = nn.parallel.DistributedDataParallel(
-                self.drafter, device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=dp_group)
+                self.drafter,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                process_group=dp_group,
+            )
         self.dtype = compute_dtype(cfg.dtype, device)
         if self.dtype == torch.float16:
-            raise ValueError("train.dtype=float16 overflows in fc (pitfall 7); use bfloat16 or float32")
+            raise ValueError(
+                "train.dtype=float16 overflows in fc (pitfall 7); use bfloat16 or float32"
+            )
         # fused: one kernel for the whole update on CUDA (the 27B drafter has 1.7B fp32 params)
-        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                     weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.opt = torch.optim.AdamW(
+            self.drafter.parameters(),
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
+            fused=device.type == "cuda",
+        )
         warmup = int(round(cfg.warmup_ratio * cfg.steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: cosine_lr(s, cfg.steps, warmup, cfg.min_lr_ratio))
+            self.opt, lambda s: cosine_lr(s, cfg.steps, warmup, cfg.min_lr_ratio)
+        )
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
         self.step = 0
 
@@ -87,16 +125,32 @@ class DrafterTrainer:
     def prepare(self, tb: TargetBatch, step: int):
         """Anchors, blocks and labels; labels come from the clean forward (before any noise)."""
         if tb.noised:
-            raise ValueError("labels must be derived from the clean target forward, before input "
-                             "noise (pitfall 1); this batch was already noised")
+            raise ValueError(
+                "labels must be derived from the clean target forward, before input "
+                "noise (pitfall 1); this batch was already noised"
+            )
         cand = candidate_anchors(tb.segment_ids_NT, tb.loss_mask_NT)
         seeds = [row_seed(self.cfg.seed, step, int(k)) for k in tb.row_seeds]
         anchors, valid = sample_anchors(cand, self.cfg.max_anchors, seeds)
-        labels, lvalid = block_labels(tb.next_token_NT, tb.loss_mask_NT, tb.segment_ids_NT,
-                                      anchors, valid, self.spec.block_size)
-        blocks = build_blocks(tb.input_ids_NT, tb.position_ids_NT, tb.segment_ids_NT, anchors, valid,
-                              self.spec.block_size, self.spec.mask_token_id, self.spec.layer_types,
-                              self.spec.sliding_window)
+        labels, lvalid = block_labels(
+            tb.next_token_NT,
+            tb.loss_mask_NT,
+            tb.segment_ids_NT,
+            anchors,
+            valid,
+            self.spec.block_size,
+        )
+        blocks = build_blocks(
+            tb.input_ids_NT,
+            tb.position_ids_NT,
+            tb.segment_ids_NT,
+            anchors,
+            valid,
+            self.spec.block_size,
+            self.spec.mask_token_id,
+            self.spec.layer_types,
+            self.spec.sliding_window,
+        )
         weights = self.weights_k[None, None, :] * lvalid
         return blocks, labels, lvalid, weights
 
@@ -105,7 +159,7 @@ class DrafterTrainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def forward_sums(self, tb: TargetBatch, prepared, model: Optional[nn.Module] = None):
+    def forward_sums(self, tb: TargetBatch, prepared, model: nn.Module | None = None):
         blocks, labels, lvalid, weights = prepared
         model = model or self.model
         N, A = blocks.anchors_NA.shape
@@ -113,23 +167,36 @@ class DrafterTrainer:
         with torch.no_grad():
             emb = self.heads.embed(blocks.block_ids_NQ)
         with self.autocast():
-            h = model(emb.to(self.dtype), blocks.block_pos_NQ, blocks.masks,
-                      aux_NTF=tb.aux_NTF.to(self.dtype), ctx_pos_NT=tb.position_ids_NT)
+            h = model(
+                emb.to(self.dtype),
+                blocks.block_pos_NQ,
+                blocks.masks,
+                aux_NTF=tb.aux_NTF.to(self.dtype),
+                ctx_pos_NT=tb.position_ids_NT,
+            )
             h_M = h.view(N, A, B, -1)[:, :, 1:][lvalid]
             w_lm = self.heads.lm_head.weight
             w_lm = w_lm if w_lm.dtype == h_M.dtype else w_lm.to(h_M.dtype)
             if self.cfg.loss == "hard_ce":
-                return weighted_ce_sum(h_M, w_lm, labels[lvalid], weights[lvalid], chunk=self.cfg.lm_head_chunk)
+                return weighted_ce_sum(
+                    h_M, w_lm, labels[lvalid], weights[lvalid], chunk=self.cfg.lm_head_chunk
+                )
             th = self._target_hidden_at_labels(tb, blocks, lvalid).to(h_M.dtype)
-            return soft_kl_sum(h_M, w_lm, th, weights[lvalid], chunk=self.cfg.lm_head_chunk), h_M.new_zeros(())
+            return soft_kl_sum(
+                h_M, w_lm, th, weights[lvalid], chunk=self.cfg.lm_head_chunk
+            ), h_M.new_zeros(())
 
     def _target_hidden_at_labels(self, tb, blocks, lvalid):
         if tb.final_hidden_NTH is None:
-            raise ValueError("train.loss=soft_kl needs the target's final hidden states in the batch")
+            raise ValueError(
+                "train.loss=soft_kl needs the target's final hidden states in the batch"
+            )
         k = torch.arange(1, self.spec.block_size, device=lvalid.device)
         src = (blocks.anchors_NA[:, :, None] + k - 1).clamp(max=tb.final_hidden_NTH.shape[1] - 1)
         N = src.shape[0]
-        th = tb.final_hidden_NTH.gather(1, src.view(N, -1, 1).expand(-1, -1, tb.final_hidden_NTH.shape[-1]))
+        th = tb.final_hidden_NTH.gather(
+            1, src.view(N, -1, 1).expand(-1, -1, tb.final_hidden_NTH.shape[-1])
+        )
         return th.view(*src.shape, -1)[lvalid]
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +219,8 @@ class DrafterTrainer:
             tb = tb.to(self.device)
             if self.cfg.noise_std > 0:
                 g = torch.Generator(device=self.device).manual_seed(
-                    row_seed(self.cfg.seed + 1, step, int(tb.row_seeds[0])))
+                    row_seed(self.cfg.seed + 1, step, int(tb.row_seeds[0]))
+                )
                 tb = add_input_noise(tb, self.cfg.noise_std, g)
             sync = contextlib.nullcontext()
             if self.dp_world > 1 and i < len(micro) - 1:
@@ -168,16 +236,32 @@ class DrafterTrainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
-        stats = self._all_reduce(torch.stack([loss_total, correct_total,
-                                              torch.tensor(float(sum(tb.num_tokens for tb in micro)), device=self.device),
-                                              torch.tensor(float(sum(int(p[2].sum()) for p in prepared)), device=self.device)]))
-        return {"train/loss": float(stats[0] / denom), "train/acc": float(stats[1] / denom),
-                "train/lr": lr, "train/grad_norm": float(grad_norm),
-                "train/tokens": float(stats[2]), "train/labels": float(stats[3])}
+        stats = self._all_reduce(
+            torch.stack(
+                [
+                    loss_total,
+                    correct_total,
+                    torch.tensor(float(sum(tb.num_tokens for tb in micro)), device=self.device),
+                    torch.tensor(float(sum(int(p[2].sum()) for p in prepared)), device=self.device),
+                ]
+            )
+        )
+        return {
+            "train/loss": float(stats[0] / denom),
+            "train/acc": float(stats[1] / denom),
+            "train/lr": lr,
+            "train/grad_norm": float(grad_norm),
+            "train/tokens": float(stats[2]),
+            "train/labels": float(stats[3]),
+        }
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step}
+        return {
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "step": self.step,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.opt.load_state_dict(state["optimizer"])

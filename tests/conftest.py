@@ -17,7 +17,9 @@ CONF = os.path.join(ROOT, "conf")
 def target_cfg(name: str, **over):
     from dflash.config import TargetConfig
 
-    raw = OmegaConf.to_container(OmegaConf.load(os.path.join(CONF, "target", f"{name}.yaml")), resolve=True)
+    raw = OmegaConf.to_container(
+        OmegaConf.load(os.path.join(CONF, "target", f"{name}.yaml")), resolve=True
+    )
     raw.update(over)
     return TargetConfig(**raw)
 
@@ -34,19 +36,40 @@ def get_target(name: str, num_aux: int = 3, layer_ids=None):
     return _TARGETS[key]
 
 
-def make_drafter(target, block_size=4, layer_types=("sliding_attention", "full_attention"),
-                 window=64, seed=0, std=0.05):
+def make_drafter(
+    target,
+    block_size=4,
+    layer_types=("sliding_attention", "full_attention"),
+    window=64,
+    seed=0,
+    std=0.05,
+):
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.trainer import resolve_spec
 
-    dcfg = DrafterConfig(num_layers=len(layer_types), layer_types=list(layer_types), sliding_window=window,
-                         target_layer_ids=list(target.layer_ids), block_size=block_size,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64)
+    dcfg = DrafterConfig(
+        num_layers=len(layer_types),
+        layer_types=list(layer_types),
+        sliding_window=window,
+        target_layer_ids=list(target.layer_ids),
+        block_size=block_size,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+    )
     mc = target.model.config
-    spec = resolve_spec(dcfg, target.num_layers, target.hidden_size, target.vocab_size,
-                        mc.intermediate_size, mc.num_attention_heads, mc.num_key_value_heads,
-                        target.mask_token_id)
+    spec = resolve_spec(
+        dcfg,
+        target.num_layers,
+        target.hidden_size,
+        target.vocab_size,
+        mc.intermediate_size,
+        mc.num_attention_heads,
+        mc.num_key_value_heads,
+        target.mask_token_id,
+    )
     d = DFlashDrafter(spec)
     d.init_weights(std, torch.Generator().manual_seed(seed))
     return d

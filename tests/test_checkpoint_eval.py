@@ -1,4 +1,5 @@
 """Checkpoint format, eval.py end to end, and eval == training block machinery."""
+
 import json
 import os
 import subprocess
@@ -6,20 +7,30 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, make_drafter
+
 from dflash.checkpoint import load_drafter, save_checkpoint, save_drafter
-from dflash.evaluation import EvalItem, draft_all_anchors, evaluate
+from dflash.evaluation import EvalItem, draft_all_anchors
 from dflash.trainer import Heads
 
-EXPECTED_LAYER_KEYS = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                       "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-                       "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
-                       "input_layernorm.weight", "post_attention_layernorm.weight"}
+EXPECTED_LAYER_KEYS = {
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+}
 
 
 def test_serving_format(tiny_qwen, tmp_path):
     from safetensors import safe_open
+
     d = make_drafter(tiny_qwen)
     save_drafter(str(tmp_path), d)
     cfg = json.load(open(tmp_path / "config.json"))
@@ -29,7 +40,8 @@ def test_serving_format(tiny_qwen, tmp_path):
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
-        f"layers.{i}.{k}" for i in range(2) for k in EXPECTED_LAYER_KEYS}
+        f"layers.{i}.{k}" for i in range(2) for k in EXPECTED_LAYER_KEYS
+    }
     assert keys == expected
     back, rep = load_drafter(str(tmp_path))
     assert rep["fc_input"] == 3 * 128 and not rep["missing"]
@@ -49,6 +61,7 @@ def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
 def test_eval_drafts_equal_training_path(tiny_qwen):
     """The eval's cached-context pass gives the same predictions as the training forward."""
     from dflash.blocks import build_blocks
+
     d = make_drafter(tiny_qwen, block_size=4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 500, (1, 20), generator=g)
@@ -57,10 +70,25 @@ def test_eval_drafts_equal_training_path(tiny_qwen):
     heads = Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head)
     draft, lp, tk = draft_all_anchors(d, heads, item, top_k=4, anchor_chunk=5)
     anchors = torch.arange(8, 20)[None]
-    blk = build_blocks(ids, torch.arange(20)[None], torch.zeros(1, 20, dtype=torch.long), anchors,
-                       torch.ones_like(anchors, dtype=torch.bool), 4, 511, d.spec.layer_types, d.spec.sliding_window)
+    blk = build_blocks(
+        ids,
+        torch.arange(20)[None],
+        torch.zeros(1, 20, dtype=torch.long),
+        anchors,
+        torch.ones_like(anchors, dtype=torch.bool),
+        4,
+        511,
+        d.spec.layer_types,
+        d.spec.sliding_window,
+    )
     with torch.no_grad():
-        h = d(heads.embed(blk.block_ids_NQ), blk.block_pos_NQ, blk.masks, aux_NTF=aux, ctx_pos_NT=torch.arange(20)[None])
+        h = d(
+            heads.embed(blk.block_ids_NQ),
+            blk.block_pos_NQ,
+            blk.masks,
+            aux_NTF=aux,
+            ctx_pos_NT=torch.arange(20)[None],
+        )
     ref = (h.view(12, 4, -1)[:, 1:] @ heads.lm_head.weight.t()).argmax(-1)
     assert torch.equal(draft, ref)
     assert lp.shape == (12, 3, 4) and torch.equal(tk[..., 0], draft)
@@ -69,9 +97,23 @@ def test_eval_drafts_equal_training_path(tiny_qwen):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    r = subprocess.run([sys.executable, "train.py", "logger=none", f"out_root={out}", "run_name=r",
-                        "train.steps=20", "train.save_every=20", "train.eval_every=20", "data.num_samples=32"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "logger=none",
+            f"out_root={out}",
+            "run_name=r",
+            "train.steps=20",
+            "train.save_every=20",
+            "train.eval_every=20",
+            "data.num_samples=32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return out / "r", r.stdout
 
@@ -87,8 +129,20 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
     run_dir, _ = trained_run
     ck = run_dir / "checkpoints" / "step_00000020"
     out = tmp_path / "rep.json"
-    r = subprocess.run([sys.executable, "eval.py", f"ckpt={ck}", f"out={out}", f"out_root={tmp_path}",
-                        "logger=none"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "eval.py",
+            f"ckpt={ck}",
+            f"out={out}",
+            f"out_root={tmp_path}",
+            "logger=none",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Detected fc input: 384 = 3 target layers" in r.stdout
     assert "per prompt" in r.stdout and "summary" in r.stdout
@@ -100,11 +154,20 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
     assert rep["summary"]["tau"] == pytest.approx(last["eval/tau"], abs=1e-9)
 
 
-@pytest.mark.parametrize("break_it,match", [
-    ("corrupt", "not a readable safetensors"), ("hidden", "hidden size"), ("vocab", "vocab"),
-    ("layers", "final layer"), ("nojson", "no config.json"), ("fc", "fc input")])
+@pytest.mark.parametrize(
+    "break_it,match",
+    [
+        ("corrupt", "not a readable safetensors"),
+        ("hidden", "hidden size"),
+        ("vocab", "vocab"),
+        ("layers", "final layer"),
+        ("nojson", "no config.json"),
+        ("fc", "fc input"),
+    ],
+)
 def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match):
     import shutil
+
     run_dir, _ = trained_run
     ck = tmp_path / "ck"
     shutil.copytree(run_dir / "checkpoints" / "step_00000020", ck)
@@ -124,17 +187,31 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
         os.remove(ck / "config.json")
     if (ck / "config.json").exists():
         json.dump(cfg, open(ck / "config.json", "w"))
-    r = subprocess.run([sys.executable, "eval.py", f"ckpt={ck}", f"out_root={tmp_path}", "logger=none",
-                        "target=tiny_qwen3_5", *extra], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "eval.py",
+            f"ckpt={ck}",
+            f"out_root={tmp_path}",
+            "logger=none",
+            "target=tiny_qwen3_5",
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
 
 
 def test_resume_true_picks_this_experiment_only(tiny_qwen, tmp_path):
     from dflash.checkpoint import find_checkpoint, latest_run_checkpoint
+
     d = make_drafter(tiny_qwen)
     save_checkpoint(str(tmp_path / "v5-20260101"), 2, d, {})
-    save_checkpoint(str(tmp_path / "v5b-20270101"), 9, d, {})   # newer, but another experiment
+    save_checkpoint(str(tmp_path / "v5b-20270101"), 9, d, {})  # newer, but another experiment
     got = latest_run_checkpoint(str(tmp_path), "v5", exclude=str(tmp_path / "v5-now"))
     assert got.endswith(os.path.join("v5-20260101", "checkpoints", "step_00000002"))
     # a lost `latest` pointer falls back to the newest complete step directory
@@ -145,6 +222,7 @@ def test_resume_true_picks_this_experiment_only(tiny_qwen, tmp_path):
 
 def test_checkpoint_keeps_fp32_master_weights(tiny_qwen, tmp_path):
     from dflash.checkpoint import load_checkpoint
+
     d = make_drafter(tiny_qwen)
     with torch.no_grad():
         d.fc.weight.add_(1e-4)  # not representable in bf16
@@ -158,5 +236,6 @@ def test_checkpoint_keeps_fp32_master_weights(tiny_qwen, tmp_path):
 
 def test_report_json_is_strict(tmp_path):
     from dflash.report import write_json
+
     write_json(str(tmp_path / "r.json"), [], {"tau": float("nan"), "x": [1.0, float("inf")]}, {})
     assert json.load(open(tmp_path / "r.json"))["summary"] == {"tau": None, "x": [1.0, None]}

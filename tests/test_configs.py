@@ -1,4 +1,5 @@
 """Every experiment composes and builds; typos and bad values fail with the key's name."""
+
 import glob
 import os
 import subprocess
@@ -6,17 +7,25 @@ import sys
 
 import pytest
 import torch
+from conftest import CONF, ROOT
 from hydra import compose, initialize_config_dir
 
-from conftest import CONF, ROOT, get_target
 from dflash.cli import setup, typed
 from dflash.config import DrafterConfig
 
 setup()
-EXPS = sorted(os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(CONF, "exp", "*.yaml")))
+EXPS = sorted(
+    os.path.splitext(os.path.basename(p))[0] for p in glob.glob(os.path.join(CONF, "exp", "*.yaml"))
+)
 # Experiments that need local weights/data compose as-is; they build on a tiny target.
-TINY = ["target=tiny_qwen3_5", "data=selfgen", "data.num_samples=4", "data.response_len=8",
-        "eval.enabled=false", "logger=none"]
+TINY = [
+    "target=tiny_qwen3_5",
+    "data=selfgen",
+    "data.num_samples=4",
+    "data.response_len=8",
+    "eval.enabled=false",
+    "logger=none",
+]
 
 
 def _compose(overrides):
@@ -40,8 +49,18 @@ def test_every_experiment_composes_and_builds(exp, tmp_path):
 def test_v5_recipe_on_tiny_target(tmp_path):
     from dflash.runner import run_training
 
-    rc = typed(_compose(["+exp=v5", *TINY, f"out_root={tmp_path}", "train.steps=2", "train.grad_accum=1",
-                         "train.max_anchors=4"]))
+    rc = typed(
+        _compose(
+            [
+                "+exp=v5",
+                *TINY,
+                f"out_root={tmp_path}",
+                "train.steps=2",
+                "train.grad_accum=1",
+                "train.max_anchors=4",
+            ]
+        )
+    )
     assert rc.train.loss == "hard_ce" and rc.drafter.block_size == 16 and rc.train.lr == 6e-4
     assert rc.drafter.layer_types.count("sliding_attention") == 4
     out = run_training(rc, str(tmp_path / "run"))
@@ -50,6 +69,7 @@ def test_v5_recipe_on_tiny_target(tmp_path):
 
 def test_v5_aux_layers_for_64_layer_target():
     from dflash.target import default_layer_ids
+
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
 
@@ -60,8 +80,13 @@ def test_v5_without_weights_names_the_key():
 
 
 def test_v5_cli_without_weights_stops_at_once(tmp_path):
-    r = subprocess.run([sys.executable, "train.py", "+exp=v5", f"out_root={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "train.py", "+exp=v5", f"out_root={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "target.path" in r.stderr + r.stdout and "Traceback" not in r.stderr
 
@@ -71,15 +96,18 @@ def test_unknown_key_fails_at_composition():
         _compose(["train.stepz=3"])
 
 
-@pytest.mark.parametrize("override,match", [
-    ("train.loss=soft_kl", "allow_soft_loss"),
-    ("target.linear_attn_backend=cuda", "linear_attn_backend"),
-    ("drafter.layer_types=[full_attention]", "layer_types"),
-    ("train.dtype=float8", "train.dtype"),
-    ("train.gamma=0", "train.gamma"),
-    ("train.log_every=0", "train.log_every"),
-    ("drafter.num_attention_heads=5", "num_key_value_heads"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("train.loss=soft_kl", "allow_soft_loss"),
+        ("target.linear_attn_backend=cuda", "linear_attn_backend"),
+        ("drafter.layer_types=[full_attention]", "layer_types"),
+        ("train.dtype=float8", "train.dtype"),
+        ("train.gamma=0", "train.gamma"),
+        ("train.log_every=0", "train.log_every"),
+        ("drafter.num_attention_heads=5", "num_key_value_heads"),
+    ],
+)
 def test_bad_values_name_the_key(override, match):
     with pytest.raises(ValueError, match=match):
         typed(_compose([override]))
@@ -90,10 +118,18 @@ def test_soft_loss_when_explicit():
     assert rc.train.loss == "soft_kl"
 
 
-@pytest.mark.parametrize("ids,match", [([1, 3, 7], "final layer"), ([1, 9], "out of range"),
-                                       ([-1, 2], "out of range"), ([2, 2], "duplicates")])
+@pytest.mark.parametrize(
+    "ids,match",
+    [
+        ([1, 3, 7], "final layer"),
+        ([1, 9], "out of range"),
+        ([-1, 2], "out of range"),
+        ([2, 2], "duplicates"),
+    ],
+)
 def test_aux_layer_guardrails(ids, match):
     from dflash.target import check_layer_ids
+
     with pytest.raises(ValueError, match=match):
         check_layer_ids(ids, 8)
 
@@ -108,22 +144,32 @@ def test_final_layer_refused_when_building(tmp_path):
 
 def test_mask_token_and_hidden_guardrails():
     from dflash.trainer import resolve_spec
+
     with pytest.raises(ValueError, match="mask token"):
         resolve_spec(DrafterConfig(target_layer_ids=[1]), 8, 128, 512, 256, 4, 2, mask_token_id=512)
     with pytest.raises(ValueError, match="hidden size"):
-        resolve_spec(DrafterConfig(target_layer_ids=[1], hidden_size=64), 8, 128, 512, 256, 4, 2, 511)
+        resolve_spec(
+            DrafterConfig(target_layer_ids=[1], hidden_size=64), 8, 128, 512, 256, 4, 2, 511
+        )
     from dflash.target import resolve_mask_token_id
 
     class Tok:
         mask_token_id = None
+
     with pytest.raises(ValueError, match="no mask token"):
         resolve_mask_token_id(Tok(), 100, None)
 
 
 def test_fp16_refused(tiny_qwen):
     from conftest import make_drafter
+
     from dflash.config import TrainConfig
     from dflash.trainer import DrafterTrainer, Heads
+
     with pytest.raises(ValueError, match="pitfall 7"):
-        DrafterTrainer(make_drafter(tiny_qwen), Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head),
-                       TrainConfig(dtype="float16"), torch.device("cpu"))
+        DrafterTrainer(
+            make_drafter(tiny_qwen),
+            Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head),
+            TrainConfig(dtype="float16"),
+            torch.device("cpu"),
+        )

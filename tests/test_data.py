@@ -1,5 +1,6 @@
 """Data: built-in corpora, the held-out rule, resumable regeneration, chat templates, length
 filtering, packing (target per sample, drafter masks per segment), and the regen tool."""
+
 import ast
 import gzip
 import json
@@ -10,16 +11,28 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from conftest import get_target
+
 from dflash.batch import Sample, collate, target_forward
 from dflash.blocks import block_attention_mask, candidate_anchors, sample_anchors
 from dflash.config import DataConfig, TargetConfig
-from dflash.corpora import (check_training_source, completion_prompt, humaneval_prompts, stdlib_corpus,
-                            stdlib_files, stdlib_prompts)
-from dflash.data import (build_samples, dataset_path, drop_long_prompts, encode_prompts, generate_greedy,
-                         load_or_build_dataset, random_prompts)
-
+from dflash.corpora import (
+    check_training_source,
+    completion_prompt,
+    humaneval_prompts,
+    stdlib_corpus,
+    stdlib_files,
+    stdlib_prompts,
+)
+from dflash.data import (
+    build_samples,
+    dataset_path,
+    drop_long_prompts,
+    encode_prompts,
+    generate_greedy,
+    load_or_build_dataset,
+    random_prompts,
+)
 
 # ----------------------------------------------------------------------------- stdlib corpus
 STDLIB_PART = os.path.join(sysconfig.get_paths()["stdlib"], "email")  # a quick-to-parse slice
@@ -35,11 +48,15 @@ def test_stdlib_prompts_are_deterministic_valid_stubs():
         assert m, p
         tree = ast.parse(m.group(1))  # signature + docstring is valid Python
         node = tree.body[0]
-        if isinstance(node, ast.ClassDef) and isinstance(node.body[-1], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        if isinstance(node, ast.ClassDef) and isinstance(
+            node.body[-1], (ast.FunctionDef, ast.AsyncFunctionDef)
+        ):
             node = node.body[-1]  # a method under its class line
         assert ast.get_docstring(node), p
     whole = stdlib_corpus(STDLIB_PART)
-    assert len(stdlib_prompts(10**6, seed=0, root=STDLIB_PART)) == len(whole)  # all of it, no repeats
+    assert len(stdlib_prompts(10**6, seed=0, root=STDLIB_PART)) == len(
+        whole
+    )  # all of it, no repeats
     with pytest.raises(ValueError, match="num_samples"):
         stdlib_prompts(0)
 
@@ -59,14 +76,23 @@ def _fake_humaneval(path, rows):
 
 
 def test_humaneval_prompts_from_file_and_default_location(tmp_path, monkeypatch):
-    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n",
-             "entry_point": f"f{i}"} for i in range(3)]
+    rows = [
+        {
+            "task_id": f"HumanEval/{i}",
+            "prompt": f'def f{i}(x):\n    """Return x."""\n',
+            "entry_point": f"f{i}",
+        }
+        for i in range(3)
+    ]
     (tmp_path / "humaneval").mkdir()
     _fake_humaneval(tmp_path / "humaneval" / "HumanEval.jsonl.gz", rows)
     monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path))
     got = humaneval_prompts()
     assert got == [completion_prompt(r["prompt"]) for r in rows]
-    assert humaneval_prompts(str(tmp_path / "humaneval" / "HumanEval.jsonl.gz"), raw=True)[1] == rows[1]["prompt"]
+    assert (
+        humaneval_prompts(str(tmp_path / "humaneval" / "HumanEval.jsonl.gz"), raw=True)[1]
+        == rows[1]["prompt"]
+    )
     # the same format as the training corpus (pitfall 6)
     assert got[0].split("\n")[0] == stdlib_prompts(1, seed=0)[0].split("\n")[0]
 
@@ -92,8 +118,9 @@ def test_humaneval_is_never_training_data(tmp_path):
     check_training_source("jsonl", ["/data/sharegpt.jsonl"])
     # refused before any target work or file access
     with pytest.raises(ValueError, match="held out"):
-        load_or_build_dataset(DataConfig(source="humaneval"), TargetConfig(), target=None,
-                              cache_dir=str(tmp_path))
+        load_or_build_dataset(
+            DataConfig(source="humaneval"), TargetConfig(), target=None, cache_dir=str(tmp_path)
+        )
 
 
 # ----------------------------------------------------------------------------- chat template
@@ -113,10 +140,17 @@ class FakeTok:
 def test_chat_template_applied_explicitly():
     tok = FakeTok()
     tc = TargetConfig(chat_template=True, enable_thinking=False)
-    assert encode_prompts(["abc", [{"role": "user", "content": "hello"}]], tok, tc) == [[1, 2, 3], [1, 2, 5]]
+    assert encode_prompts(["abc", [{"role": "user", "content": "hello"}]], tok, tc) == [
+        [1, 2, 3],
+        [1, 2, 5],
+    ]
     msgs, kw = tok.calls[0]
     assert msgs == [{"role": "user", "content": "abc"}]
-    assert kw["add_generation_prompt"] is True and kw["enable_thinking"] is False and kw["tokenize"] is True
+    assert (
+        kw["add_generation_prompt"] is True
+        and kw["enable_thinking"] is False
+        and kw["tokenize"] is True
+    )
     encode_prompts(["x"], tok, replace(tc, enable_thinking=True))
     assert tok.calls[-1][1]["enable_thinking"] is True
     assert encode_prompts(["abcd"], tok, replace(tc, chat_template=False)) == [[9, 4]]
@@ -156,7 +190,9 @@ def test_empty_dataset_is_refused():
 def test_text_source_without_tokenizer_is_refused(tmp_path, tiny_llama):
     tc = TargetConfig(name="tiny_llama")
     with pytest.raises(ValueError, match="needs a target with a tokenizer"):
-        load_or_build_dataset(DataConfig(source="stdlib", num_samples=2), tc, tiny_llama, str(tmp_path))
+        load_or_build_dataset(
+            DataConfig(source="stdlib", num_samples=2), tc, tiny_llama, str(tmp_path)
+        )
 
 
 # ----------------------------------------------------------------------------- resumable regeneration
@@ -172,6 +208,7 @@ def _counting_generate(model, fail_after=None):
             raise Interrupt()
         calls.append(kw["input_ids"].shape[0])
         return real(*a, **kw)
+
     return gen, calls
 
 
@@ -203,8 +240,14 @@ def test_interrupted_regeneration_resumes_to_the_same_result(tmp_path, tiny_llam
 
 
 def test_regenerated_dataset_is_cached_and_resumed(tmp_path, tiny_llama):
-    dc = DataConfig(source="selfgen", num_samples=6, prompt_len=4, response_len=4, max_length=16,
-                    regen_batch_size=4)
+    dc = DataConfig(
+        source="selfgen",
+        num_samples=6,
+        prompt_len=4,
+        response_len=4,
+        max_length=16,
+        regen_batch_size=4,
+    )
     tc = TargetConfig(name="tiny_llama")
     logs = []
     a = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=logs.append)
@@ -212,7 +255,10 @@ def test_regenerated_dataset_is_cached_and_resumed(tmp_path, tiny_llama):
     assert os.path.exists(path) and not os.path.exists(path + ".partial")
     b = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=logs.append)
     assert "from cache" in logs[-1]
-    assert all(torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask) for x, y in zip(a, b))
+    assert all(
+        torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+        for x, y in zip(a, b)
+    )
     assert dataset_path(replace(dc, pack_to=64), tc, str(tmp_path)) == path  # packing: same data
 
 
@@ -223,7 +269,7 @@ def _samples(target, lengths, seed=0):
     for i, n in enumerate(lengths):
         ids = torch.randint(0, target.vocab_size - 1, (n,), generator=g)
         mask = torch.zeros(n, dtype=torch.bool)
-        mask[n // 3:] = True
+        mask[n // 3 :] = True
         out.append(Sample(100 + i, ids, mask))
     return out
 
@@ -248,8 +294,16 @@ def test_packed_target_forward_equals_unpacked_per_sample(name):
     assert packed.input_ids_NT.shape[0] < len(samples)
     for s in samples:
         alone = target.capture(s.input_ids[None])
-        r, c = (packed.segment_ids_NT >= 0).nonzero()[
-            (packed.sample_ids[packed.segment_ids_NT[packed.segment_ids_NT >= 0]] == s.sample_id)].unbind(-1)
+        r, c = (
+            (packed.segment_ids_NT >= 0)
+            .nonzero()[
+                (
+                    packed.sample_ids[packed.segment_ids_NT[packed.segment_ids_NT >= 0]]
+                    == s.sample_id
+                )
+            ]
+            .unbind(-1)
+        )
         assert r.unique().numel() == 1 and c.numel() == s.input_ids.numel()
         torch.testing.assert_close(packed.aux_NTF[r, c], alone.aux_NTF[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(packed.next_token_NT[r, c], alone.next_token_NT[0])
@@ -262,46 +316,91 @@ def test_drafter_masks_never_cross_segments():
     anchors, valid = sample_anchors(cand, 64, b.row_seeds)
     B = 4
     for window, causal in ((None, False), (3, True)):
-        m = block_attention_mask(anchors, valid, b.position_ids_NT, b.segment_ids_NT, B,
-                                 causal_in_block=causal, window=window)[:, 0]
+        m = block_attention_mask(
+            anchors,
+            valid,
+            b.position_ids_NT,
+            b.segment_ids_NT,
+            B,
+            causal_in_block=causal,
+            window=window,
+        )[:, 0]
         N, T = b.segment_ids_NT.shape
         A = anchors.shape[1]
         ctx = m[..., :T].reshape(N, A, B, T)
         blk = m[..., T:].reshape(N, A, B, A, B)
         seg_a = b.segment_ids_NT.gather(1, anchors)
         j = torch.arange(T)
-        allowed = (b.segment_ids_NT[:, None, :] == seg_a[:, :, None]) & (j < anchors[:, :, None]) & valid[..., None]
-        assert not (ctx & ~allowed[:, :, None, :]).any()  # no other sample, nothing at/after the anchor
+        allowed = (
+            (b.segment_ids_NT[:, None, :] == seg_a[:, :, None])
+            & (j < anchors[:, :, None])
+            & valid[..., None]
+        )
+        assert not (
+            ctx & ~allowed[:, :, None, :]
+        ).any()  # no other sample, nothing at/after the anchor
         assert ctx.any()
         eye = torch.eye(A, dtype=torch.bool)[None, :, None, :, None]
         assert not (blk & ~eye).any()  # blocks never see each other
         # anchors of one row that belong to different samples never share any key
-        assert (seg_a[valid].unique().numel() > 1)
+        assert seg_a[valid].unique().numel() > 1
 
 
 # ----------------------------------------------------------------------------- regen tool
 def test_regen_tool_writes_the_training_cache(tmp_path, capsys):
     from dflash.tools import regen
 
-    args = ["--target", "tiny_llama", "--data", "selfgen", "--set", "num_samples=5", "response_len=4",
-            "max_length=32", "regen_batch_size=2"]
-    assert regen.main(args + ["--cache-dir", str(tmp_path), "--jsonl", str(tmp_path / "s.jsonl")]) == 0
+    args = [
+        "--target",
+        "tiny_llama",
+        "--data",
+        "selfgen",
+        "--set",
+        "num_samples=5",
+        "response_len=4",
+        "max_length=32",
+        "regen_batch_size=2",
+    ]
+    assert (
+        regen.main(args + ["--cache-dir", str(tmp_path), "--jsonl", str(tmp_path / "s.jsonl")]) == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["samples"] == 5 and summary["response_tokens"] == 20
     rows = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
     assert len(rows) == 5 and len(rows[0]["response_ids"]) == 4
     # a training run with the same settings and data.cache_dir finds it
     from dflash.target import target_config_from_yaml
-    dc = DataConfig(source="selfgen", num_samples=5, response_len=4, max_length=32, regen_batch_size=2,
-                    prompt_len=16, seed=1234)
+
+    dc = DataConfig(
+        source="selfgen",
+        num_samples=5,
+        response_len=4,
+        max_length=32,
+        regen_batch_size=2,
+        prompt_len=16,
+        seed=1234,
+    )
     tc = target_config_from_yaml("tiny_llama")
     assert summary["out"] == dataset_path(dc, tc, str(tmp_path))
     logs = []
     load_or_build_dataset(dc, tc, None, str(tmp_path), log=logs.append)
     assert "from cache" in logs[-1]
     assert regen.main(args + ["--out", str(tmp_path / "a.pt"), "--cache-dir", str(tmp_path)]) == 2
-    assert regen.main(["--target", "tiny_llama", "--data", "selfgen", "--set", "source=humaneval",
-                       "--out", str(tmp_path / "h.pt")]) == 2
+    assert (
+        regen.main(
+            [
+                "--target",
+                "tiny_llama",
+                "--data",
+                "selfgen",
+                "--set",
+                "source=humaneval",
+                "--out",
+                str(tmp_path / "h.pt"),
+            ]
+        )
+        == 2
+    )
     assert "held out" in capsys.readouterr().err
 
 
@@ -309,9 +408,13 @@ def test_jsonl_prompts_and_empty_files(tmp_path):
     from dflash.data import text_prompts
 
     good = tmp_path / "p.jsonl"
-    good.write_text('{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n{"prompt": "c"}\n')
+    good.write_text(
+        '{"prompt": "a"}\n\n{"messages": [{"role": "user", "content": "b"}]}\n{"prompt": "c"}\n'
+    )
     assert text_prompts(DataConfig(source="jsonl", paths=[str(good)], num_samples=2)) == [
-        "a", [{"role": "user", "content": "b"}]]
+        "a",
+        [{"role": "user", "content": "b"}],
+    ]
     empty = tmp_path / "e.jsonl"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="hold no rows"):
@@ -327,19 +430,29 @@ def test_jsonl_prompts_and_empty_files(tmp_path):
 def test_eval_prompts_are_held_out_from_training(tmp_path):
     """Same source for training and eval: eval takes rows training never sees."""
     import json as _json
+
     from dflash.config import DataConfig, EvalConfig, RunConfig, TargetConfig
     from dflash.data import text_prompts
     from dflash.evaluation import heldout_text_prompts
+
     f = tmp_path / "p.jsonl"
     f.write_text("".join(_json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(20)))
-    for data in (DataConfig(source="jsonl", paths=[str(f)], num_samples=12),
-                 DataConfig(source="stdlib", num_samples=64, seed=3)):
-        rc = RunConfig(target=TargetConfig(config={"model_type": "llama"}), data=data,
-                       eval=EvalConfig(num_prompts=6))
+    for data in (
+        DataConfig(source="jsonl", paths=[str(f)], num_samples=12),
+        DataConfig(source="stdlib", num_samples=64, seed=3),
+    ):
+        rc = RunConfig(
+            target=TargetConfig(config={"model_type": "llama"}),
+            data=data,
+            eval=EvalConfig(num_prompts=6),
+        )
         train = {str(p) for p in text_prompts(data)}
         ev = heldout_text_prompts(rc)
         assert len(ev) == 6 and not train & {str(p) for p in ev}
-    rc = RunConfig(target=TargetConfig(config={"model_type": "llama"}),
-                   data=DataConfig(source="jsonl", paths=[str(f)], num_samples=20), eval=EvalConfig(num_prompts=4))
+    rc = RunConfig(
+        target=TargetConfig(config={"model_type": "llama"}),
+        data=DataConfig(source="jsonl", paths=[str(f)], num_samples=20),
+        eval=EvalConfig(num_prompts=4),
+    )
     with pytest.raises(ValueError, match="no held-out prompts"):
         heldout_text_prompts(rc)

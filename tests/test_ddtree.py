@@ -75,7 +75,8 @@ def check_tree_structure(tree, D):
             assert paths[p] == paths[i][:-1]
     assert len(set(paths)) == b
     expected = torch.tensor(
-        [[paths[i][: len(paths[j])] == paths[j] for j in range(b)] for i in range(b)], dtype=torch.bool
+        [[paths[i][: len(paths[j])] == paths[j] for j in range(b)] for i in range(b)],
+        dtype=torch.bool,
     )
     assert torch.equal(tree.visibility, expected)
     assert torch.equal(tree.position_offsets, tree.depths)
@@ -102,7 +103,9 @@ def test_build_equals_brute_force_top_b_for_every_budget(V, D, seed):
     # the full tree: node scores are the brute-force scores, in the same order
     tree = build_ddtree(lp, total)
     assert tree.paths() == [p for p, _ in prefixes]
-    assert torch.allclose(tree.logprobs, torch.tensor([s for _, s in prefixes], dtype=torch.float64))
+    assert torch.allclose(
+        tree.logprobs, torch.tensor([s for _, s in prefixes], dtype=torch.float64)
+    )
     # budget past the number of prefixes: every prefix once
     assert build_ddtree(lp, total + 7).num_nodes == total
 

@@ -1,11 +1,11 @@
 """Drafter semantics: reference computation, no future leak, block isolation, masks."""
+
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 from conftest import make_drafter
+
 from dflash.blocks import block_attention_mask, build_blocks, candidate_anchors
 from dflash.drafter import DFlashDrafter
 
@@ -24,8 +24,17 @@ def _row(T=24, vocab=512, F_=384, seed=0):
 def _forward(drafter, embed, ids, aux, pos, seg, anchors):
     spec = drafter.spec
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    blk = build_blocks(ids, pos, seg, anchors, valid, spec.block_size, spec.mask_token_id,
-                       spec.layer_types, spec.sliding_window)
+    blk = build_blocks(
+        ids,
+        pos,
+        seg,
+        anchors,
+        valid,
+        spec.block_size,
+        spec.mask_token_id,
+        spec.layer_types,
+        spec.sliding_window,
+    )
     h = drafter(embed(blk.block_ids_NQ), blk.block_pos_NQ, blk.masks, aux_NTF=aux, ctx_pos_NT=pos)
     return h.view(anchors.shape[1], spec.block_size, -1)
 
@@ -36,7 +45,7 @@ def _reference(drafter: DFlashDrafter, embed, ids, aux, anchors):
     B, d = spec.block_size, spec.head_dim
     outs = []
     for a in anchors[0].tolist():
-        ctx = drafter.hidden_norm(drafter.fc(aux[0, :a]))                 # context strictly before a
+        ctx = drafter.hidden_norm(drafter.fc(aux[0, :a]))  # context strictly before a
         ctx_pos = torch.arange(a)
         x = embed(torch.tensor([ids[0, a].item()] + [spec.mask_token_id] * (B - 1)))
         qpos = a + torch.arange(B)
@@ -51,7 +60,7 @@ def _reference(drafter: DFlashDrafter, embed, ids, aux, anchors):
                 inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2).float() / d))
                 fr = p.float()[:, None] * inv
                 cos, sin = torch.cat([fr, fr], -1).cos(), torch.cat([fr, fr], -1).sin()
-                t1, t2 = t[..., : d // 2], t[..., d // 2:]
+                t1, t2 = t[..., : d // 2], t[..., d // 2 :]
                 return t * cos + torch.cat([-t2, t1], -1) * sin
 
             q = rope(att.q_norm(heads(att.q_proj(hn), att.num_heads)), qpos)
@@ -94,6 +103,7 @@ def _drafter(window=64, block_size=4):
         class model:
             class config:
                 intermediate_size, num_attention_heads, num_key_value_heads = 256, 4, 2
+
     return make_drafter(T, block_size=block_size, window=window)
 
 
@@ -107,7 +117,7 @@ def test_no_future_leak_and_block_isolation():
     # features at or after the anchor, and tokens after it, must not change block a (nor earlier)
     aux2, ids2 = aux.clone(), ids.clone()
     aux2[:, a:] += torch.randn_like(aux2[:, a:]) * 3
-    ids2[:, a + 1:] = (ids2[:, a + 1:] + 7) % 500
+    ids2[:, a + 1 :] = (ids2[:, a + 1 :] + 7) % 500
     out = _forward(drafter, embed, ids2, aux2, pos, seg, anchors)
     assert torch.equal(out[0], base[0]) and torch.equal(out[1], base[1])
     assert not torch.allclose(out[2], base[2])  # the later block does see the changed context
@@ -129,8 +139,12 @@ def test_masks_rules():
     T, B = 10, 3
     pos = torch.arange(T)[None]
     seg = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, -1]])
-    full = block_attention_mask(anchors, valid, pos, seg, B, causal_in_block=False, window=None)[0, 0]
-    causal = block_attention_mask(anchors, valid, pos, seg, B, causal_in_block=True, window=None)[0, 0]
+    full = block_attention_mask(anchors, valid, pos, seg, B, causal_in_block=False, window=None)[
+        0, 0
+    ]
+    causal = block_attention_mask(anchors, valid, pos, seg, B, causal_in_block=True, window=None)[
+        0, 0
+    ]
     # query (anchor 4, i) sees context 3 only (same sample, < 4); anchor 6 sees 3,4,5
     assert full[0, :T].nonzero().flatten().tolist() == [3]
     assert full[B, :T].nonzero().flatten().tolist() == [3, 4, 5]

@@ -1,4 +1,5 @@
 """Loggers: metrics.jsonl always, wandb offline without credentials, plots from jsonl."""
+
 import json
 import os
 
@@ -33,10 +34,23 @@ def test_wandb_offline_without_credentials(tmp_path, monkeypatch):
 def test_plot_from_metrics(tmp_path):
     pytest.importorskip("matplotlib")
     from dflash.tools.plot import plot_run
+
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for s in range(1, 5):
-            f.write(json.dumps({"step": s, "train/loss": 5 - s, "train/acc": s / 10, "eval/tau": 1 + s / 10,
-                                "eval/tau@4": 1 + s / 9, "eval/acc_pos_1": s / 5, "perf/tokens_per_s": 100}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "step": s,
+                        "train/loss": 5 - s,
+                        "train/acc": s / 10,
+                        "eval/tau": 1 + s / 10,
+                        "eval/tau@4": 1 + s / 9,
+                        "eval/acc_pos_1": s / 5,
+                        "perf/tokens_per_s": 100,
+                    }
+                )
+                + "\n"
+            )
     out = plot_run(str(tmp_path))
     assert os.path.getsize(out) > 10_000
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):

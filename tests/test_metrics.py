@@ -67,7 +67,9 @@ def test_position_accuracy_nan_when_position_never_available():
 
 def test_degenerate_lengths():
     assert walk_chain(torch.zeros(1, 3, dtype=torch.long), torch.tensor([5])).num_rounds == 0
-    assert math.isnan(walk_chain(torch.zeros(0, 3, dtype=torch.long), torch.tensor([], dtype=torch.long)).streak)
+    assert math.isnan(
+        walk_chain(torch.zeros(0, 3, dtype=torch.long), torch.tensor([], dtype=torch.long)).streak
+    )
     with pytest.raises(ValueError):
         walk_chain(torch.zeros(3, 2, dtype=torch.long), torch.arange(6))  # needs 5 rows
 
@@ -100,7 +102,9 @@ def test_next_anchor_is_anchor_plus_accepted_plus_one():
     V, K = 1000, 64
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(L, D, V, generator=gen)
-    on_path_tok = (g[(torch.arange(L)[:, None] + torch.arange(1, D + 1)[None, :]).clamp(max=L - 1)] - 100) % V
+    on_path_tok = (
+        g[(torch.arange(L)[:, None] + torch.arange(1, D + 1)[None, :]).clamp(max=L - 1)] - 100
+    ) % V
     logits.scatter_(2, on_path_tok.unsqueeze(-1), 30.0)
     logits[off_path] = logits[off_path].scatter(2, on_path_tok[off_path].unsqueeze(-1), -30.0)
     vals, ids = torch.topk(torch.log_softmax(logits, -1), K, dim=-1)
@@ -134,7 +138,9 @@ def test_ddtree_budget_D_with_peaked_drafts_equals_chain_of_argmax():
     g = torch.randint(0, V, (L,), generator=gen)
     target_LD = g[(torch.arange(L)[:, None] + torch.arange(1, D + 1)[None, :]).clamp(max=L - 1)]
     right = torch.rand(L, D, generator=gen) < 0.85
-    top = torch.where(right, target_LD, (target_LD + 1 + torch.randint(0, V - 1, (L, D), generator=gen)) % V)
+    top = torch.where(
+        right, target_LD, (target_LD + 1 + torch.randint(0, V - 1, (L, D), generator=gen)) % V
+    )
     logits = torch.randn(L, D, V, generator=gen).scatter(2, top.unsqueeze(-1), 12.0)
     lp = torch.log_softmax(logits, -1)
     assert float(lp.max(-1).values.exp().min()) > 0.98
@@ -254,7 +260,11 @@ def test_walks_equal_a_simulated_engine():
 def test_summarize_is_micro_average_over_rounds():
     g1 = torch.arange(10, 20)
     d1 = torch.full((10, 3), G)
-    d1[0], d1[3], d1[5] = torch.tensor([11, 12, 99]), torch.tensor([14, 98, 16]), torch.tensor([97, 17, 18])
+    d1[0], d1[3], d1[5] = (
+        torch.tensor([11, 12, 99]),
+        torch.tensor([14, 98, 16]),
+        torch.tensor([97, 17, 18]),
+    )
     d1[6], d1[8] = torch.tensor([17, 96, 19]), torch.tensor([19, 20, 21])
     g2 = torch.tensor([1, 2, 3, 4, 5])
     d2 = torch.tensor([[2, 9, G], [3, 4, G], [9, 5, G], [5, 7, G], [G, G, G]])

@@ -4,6 +4,7 @@ Multi-process tests start `python train.py` once per rank with the environment t
 set (dflash.dist.launch_local), so the whole product path runs: Hydra, the run dir shared via
 DFLASH_RUN_ID, process groups, the worker -> trainer stream. Tiny random targets, few steps.
 """
+
 import torch
 
 torch.set_num_threads(1)
@@ -30,9 +31,19 @@ from dflash.runner import BadBatchError, screen_batch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1"}
 # 16 samples, micro-batches of 2, 6 steps; checkpoints every 2 steps.
-BASE = ["target=tiny_llama", "logger=none", "eval.enabled=false", "train.micro_batch_size=2",
-        "train.steps=6", "train.save_every=2", "train.log_every=2", "train.keep_last=5",
-        "data.num_samples=16", "data.response_len=16", "topology.timeout_s=20"]
+BASE = [
+    "target=tiny_llama",
+    "logger=none",
+    "eval.enabled=false",
+    "train.micro_batch_size=2",
+    "train.steps=6",
+    "train.save_every=2",
+    "train.log_every=2",
+    "train.keep_last=5",
+    "data.num_samples=16",
+    "data.response_len=16",
+    "topology.timeout_s=20",
+]
 SPLIT_1W2T = ["topology=split", "topology.num_target_ranks=1"]
 
 
@@ -51,29 +62,51 @@ class Job:
         return (self.logs / f"rank{rank}.out").read_text()
 
     def weights(self, step: int) -> dict:
-        return load_file(str(self.run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors"))
+        return load_file(
+            str(self.run_dir / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
+        )
 
     def state(self, step: int) -> dict:
-        return torch.load(self.run_dir / "checkpoints" / f"step_{step:08d}" / "train_state.pt", weights_only=False)
+        return torch.load(
+            self.run_dir / "checkpoints" / f"step_{step:08d}" / "train_state.pt", weights_only=False
+        )
 
     def metrics(self) -> list:
-        return [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
 
 
-def run_job(root: Path, name: str, nproc: int, overrides: list, env: dict = None, timeout: float = 120,
-            until: list = None) -> Job:
+def run_job(
+    root: Path,
+    name: str,
+    nproc: int,
+    overrides: list,
+    env: dict = None,
+    timeout: float = 120,
+    until: list = None,
+) -> Job:
     """nproc > 0: launch_local (torchrun's environment); nproc == 0: plain single process.
     Waits for every rank (or only the ranks in `until`), then kills what is left."""
     out_root = root / "runs"
     run_name = f"{name}-{uuid.uuid4().hex[:6]}"
-    argv = [sys.executable, "train.py", *BASE, f"out_root={out_root}", f"run_name={run_name}",
-            f"data.cache_dir={root / 'data'}", *overrides]
+    argv = [
+        sys.executable,
+        "train.py",
+        *BASE,
+        f"out_root={out_root}",
+        f"run_name={run_name}",
+        f"data.cache_dir={root / 'data'}",
+        *overrides,
+    ]
     logs = root / "logs" / run_name
     e = dict(ENV, **(env or {}))
     if nproc == 0:
         logs.mkdir(parents=True)
         with open(logs / "rank0.out", "w") as o, open(logs / "rank0.err", "w") as r:
-            procs = [subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, **e), stdout=o, stderr=r)]
+            procs = [
+                subprocess.Popen(argv, cwd=REPO, env=dict(os.environ, **e), stdout=o, stderr=r)
+            ]
     else:
         procs = launch_local(argv, nproc, env=e, cwd=str(REPO), log_dir=str(logs), run_id=run_name)
     t0 = time.monotonic()
@@ -112,7 +145,9 @@ def root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def split_ref(root):
     """1 worker + 2 trainers, uninterrupted, every batch dumped as sent and as received."""
-    job = run_job(root, "split-ref", 3, SPLIT_1W2T, env={"DFLASH_PIPE_DUMP": str(root / "dump-1w2t")})
+    job = run_job(
+        root, "split-ref", 3, SPLIT_1W2T, env={"DFLASH_PIPE_DUMP": str(root / "dump-1w2t")}
+    )
     assert_ok(job)
     return job
 
@@ -160,8 +195,10 @@ def test_roles_validation():
 
 def _target_batch(final_hidden: bool = False, aux_dtype=torch.bfloat16) -> TargetBatch:
     g = torch.Generator().manual_seed(0)
-    samples = [Sample(i, torch.randint(0, 50, (n,), generator=g), torch.arange(n) >= 2)
-               for i, n in zip((7, 3, 11), (5, 4, 6))]
+    samples = [
+        Sample(i, torch.randint(0, 50, (n,), generator=g), torch.arange(n) >= 2)
+        for i, n in zip((7, 3, 11), (5, 4, 6))
+    ]
     b = collate(samples, pad_id=49, pack_to=10)  # two rows, one holding two samples
     N, T = b.input_ids_NT.shape
     tb = TargetBatch(**vars(b))
@@ -180,8 +217,15 @@ def test_pack_unpack_roundtrip(final_hidden):
     assert meta2 == meta and specs == [(t.dtype, tuple(t.shape)) for t in tensors]
     out, head = unpack_batch(meta2, [t.clone() for t in tensors])
     assert (head["g"], head["step"], head["j"], head["stats"]) == (42, 5, 1, [1, 2, 3, 4, 5, 6])
-    for name in ("input_ids_NT", "position_ids_NT", "segment_ids_NT", "loss_mask_NT", "next_token_NT",
-                 "sample_ids", "aux_NTF"):
+    for name in (
+        "input_ids_NT",
+        "position_ids_NT",
+        "segment_ids_NT",
+        "loss_mask_NT",
+        "next_token_NT",
+        "sample_ids",
+        "aux_NTF",
+    ):
         a, b = getattr(tb, name), getattr(out, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert out.row_seeds == tb.row_seeds
@@ -213,8 +257,15 @@ def test_screen_batch_names_bad_samples_and_skips_only_them():
 def test_trainer_heads_read_from_checkpoint_files(tmp_path, tied):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tied)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
+    )
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(tmp_path)
     emb, lm, names = read_head_weights(str(tmp_path), tied)
@@ -254,9 +305,17 @@ def test_wait_for_deadline_names_the_peer(backend):
     with pytest.raises(PeerError, match=r"worker rank 3 did not send x within 0.2 s"):
         wait_for(FakeWork(None), time.monotonic() + 0.2, backend, "worker rank 3", "send x", 0.2)
     assert time.monotonic() - t0 < 1.0
-    with pytest.raises(PeerError, match=r"trainer rank 1 is gone while waiting to accept y \(Connection closed"):
-        wait_for(FakeWork(0, error="Connection closed by peer [1.2.3.4]:5"), time.monotonic() + 1, backend,
-                 "trainer rank 1", "accept y", 1)
+    with pytest.raises(
+        PeerError, match=r"trainer rank 1 is gone while waiting to accept y \(Connection closed"
+    ):
+        wait_for(
+            FakeWork(0, error="Connection closed by peer [1.2.3.4]:5"),
+            time.monotonic() + 1,
+            backend,
+            "trainer rank 1",
+            "accept y",
+            1,
+        )
 
 
 def test_outbox_keeps_at_most_window_in_flight(monkeypatch):
@@ -270,14 +329,18 @@ def test_outbox_keeps_at_most_window_in_flight(monkeypatch):
         return FakeWork(0.15 if len(sent) <= 2 else 0.0)  # message 1 = header + payload
 
     monkeypatch.setattr(ddist.dist, "isend", isend)
-    ob = ddist.Outbox(5, "trainer rank 5", window=1, timeout_s=5, backend="nccl", device=torch.device("cpu"))
+    ob = ddist.Outbox(
+        5, "trainer rank 5", window=1, timeout_s=5, backend="nccl", device=torch.device("cpu")
+    )
     assert ob.send([1], [torch.zeros(3)], "m1") < 0.05 and len(ob.inflight) == 1
     waited = ob.send([2], [torch.zeros(3)], "m2")
     assert 0.1 < waited < 1.0 and len(ob.inflight) == 1 and set(sent) == {5}
     ob.flush()
     assert not ob.inflight
     monkeypatch.setattr(ddist.dist, "isend", lambda t, dst: FakeWork(None))
-    ob = ddist.Outbox(5, "trainer rank 5", window=1, timeout_s=0.2, backend="nccl", device=torch.device("cpu"))
+    ob = ddist.Outbox(
+        5, "trainer rank 5", window=1, timeout_s=0.2, backend="nccl", device=torch.device("cpu")
+    )
     ob.send([1], [torch.zeros(3)], "m1")
     with pytest.raises(ddist.PeerError, match="trainer rank 5 did not accept m1 within 0.2 s"):
         ob.send([2], [torch.zeros(3)], "m2")
@@ -290,7 +353,9 @@ def test_colocated_config_defaults():
 
 
 # ----------------------------------------------------------------------------- multi-process
-def _check_dumps(dump: Path, W: int, D: int, cfg_steps: int = 6, mb: int = 2, num_samples: int = 16):
+def _check_dumps(
+    dump: Path, W: int, D: int, cfg_steps: int = 6, mb: int = 2, num_samples: int = 16
+):
     """Every micro-batch of the schedule was sent once by its worker and received, identical, by
     its trainer; its samples are the stream positions the schedule assigns."""
     sched = Schedule(W, D, 1, mb, 0, 0, cfg_steps)
@@ -305,8 +370,15 @@ def _check_dumps(dump: Path, W: int, D: int, cfg_steps: int = 6, mb: int = 2, nu
         assert a["trainer"] == b["trainer"] == W + sched.trainer_of(j)[0]
         stream.position = sched.position(s, j)
         assert b["sample_ids"].tolist() == stream.take(mb)
-        for k in ("input_ids_NT", "position_ids_NT", "segment_ids_NT", "loss_mask_NT", "next_token_NT",
-                  "sample_ids", "aux_NTF"):
+        for k in (
+            "input_ids_NT",
+            "position_ids_NT",
+            "segment_ids_NT",
+            "loss_mask_NT",
+            "next_token_NT",
+            "sample_ids",
+            "aux_NTF",
+        ):
             assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), (g, k)
         assert a["row_seeds"] == b["row_seeds"]
 
@@ -314,8 +386,14 @@ def _check_dumps(dump: Path, W: int, D: int, cfg_steps: int = 6, mb: int = 2, nu
 def test_split_1_worker_2_trainers_receive_exactly_what_was_sent(split_ref, root):
     _check_dumps(root / "dump-1w2t", W=1, D=2)
     m = split_ref.metrics()[-1]
-    for k in ("pipe/worker_tokens_per_s", "pipe/trainer_tokens_per_s", "pipe/trainer_wait_s",
-              "pipe/worker_backpressure_s", "pipe/queue_depth", "pipe/suggested_workers_per_trainer"):
+    for k in (
+        "pipe/worker_tokens_per_s",
+        "pipe/trainer_tokens_per_s",
+        "pipe/trainer_wait_s",
+        "pipe/worker_backpressure_s",
+        "pipe/queue_depth",
+        "pipe/suggested_workers_per_trainer",
+    ):
         assert k in m and m[k] >= 0, k
     assert m["pipe/trainer_tokens_per_s"] > 0 and m["pipe/worker_tokens_per_s"] > 0
     # only trainer rank 0 (global rank 1) writes: one metrics line per log step
@@ -324,8 +402,13 @@ def test_split_1_worker_2_trainers_receive_exactly_what_was_sent(split_ref, root
 
 @pytest.mark.slow
 def test_split_2_workers_1_trainer_receives_exactly_what_was_sent(root):
-    job = run_job(root, "split-2w1t", 3, ["topology=split", "topology.num_target_ranks=2"],
-                  env={"DFLASH_PIPE_DUMP": str(root / "dump-2w1t")})
+    job = run_job(
+        root,
+        "split-2w1t",
+        3,
+        ["topology=split", "topology.num_target_ranks=2"],
+        env={"DFLASH_PIPE_DUMP": str(root / "dump-2w1t")},
+    )
     assert_ok(job)
     _check_dumps(root / "dump-2w1t", W=2, D=1)
 
@@ -346,7 +429,9 @@ def test_worker_death_stops_trainers_naming_it(killed):
     worker_died = killed.exit_times[0]
     for r in (1, 2):
         assert killed.codes[r] == 3, killed.err(r)[-2000:]
-        assert killed.exit_times[r] is not None and killed.exit_times[r] - worker_died < 20  # topology.timeout_s
+        assert (
+            killed.exit_times[r] is not None and killed.exit_times[r] - worker_died < 20
+        )  # topology.timeout_s
         assert "worker rank 0" in killed.err(r), killed.err(r)[-2000:]
     # the last checkpoint is complete and loadable
     from dflash.checkpoint import find_checkpoint, load_drafter
@@ -358,9 +443,15 @@ def test_worker_death_stops_trainers_naming_it(killed):
 
 @pytest.mark.slow
 def test_worker_hang_times_out_naming_it(root):
-    job = run_job(root, "split-hang", 2, ["topology=split", "topology.num_target_ranks=1",
-                                          "topology.timeout_s=4"], env={"DFLASH_FAULT": "hang@0:3"},
-                  timeout=60, until=[1])
+    job = run_job(
+        root,
+        "split-hang",
+        2,
+        ["topology=split", "topology.num_target_ranks=1", "topology.timeout_s=4"],
+        env={"DFLASH_FAULT": "hang@0:3"},
+        timeout=60,
+        until=[1],
+    )
     assert job.codes[1] == 3, job.err(1)[-2000:]
     assert "worker rank 0 did not send" in job.err(1) and "4 s" in job.err(1)
     assert job.exit_times[0] is None  # the hung worker was still there; run_job killed it
@@ -386,9 +477,13 @@ def test_colocated_two_ranks_equals_split(split_ref, root):
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_nan_aux_states_are_reported(root, policy):
-    job = run_job(root, f"split-nan-{policy}", 2, ["topology=split", "topology.num_target_ranks=1",
-                                                   f"topology.on_bad_batch={policy}"],
-                  env={"DFLASH_FAULT": "nan@0:2"})
+    job = run_job(
+        root,
+        f"split-nan-{policy}",
+        2,
+        ["topology=split", "topology.num_target_ranks=1", f"topology.on_bad_batch={policy}"],
+        env={"DFLASH_FAULT": "nan@0:2"},
+    )
     sched = Schedule(1, 1, 1, 2, 0, 0, 6)
     stream = SampleStream(16, 1234)
     stream.position = sched.position(2, 0)

@@ -4,6 +4,7 @@ command when the assets are absent):
     bash ../shared/scripts/fetch_models.sh smollm2 humaneval
     OMP_NUM_THREADS=1 python -m pytest -m real_model tests/test_real_models.py
 """
+
 import os
 
 import pytest
@@ -17,8 +18,12 @@ pytestmark = pytest.mark.real_model
 
 SMOL_GGUF = os.path.join(assets_dir(), "smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 QWEN_GGUF = os.path.join(assets_dir(), "qwen05", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-needs_smol = pytest.mark.skipif(not os.path.exists(SMOL_GGUF), reason=(
-    f"{SMOL_GGUF} absent: run `bash ../shared/scripts/fetch_models.sh smollm2` (or set DFLASH_ASSETS)"))
+needs_smol = pytest.mark.skipif(
+    not os.path.exists(SMOL_GGUF),
+    reason=(
+        f"{SMOL_GGUF} absent: run `bash ../shared/scripts/fetch_models.sh smollm2` (or set DFLASH_ASSETS)"
+    ),
+)
 
 
 def _has_humaneval() -> bool:
@@ -29,8 +34,12 @@ def _has_humaneval() -> bool:
         return False
 
 
-needs_humaneval = pytest.mark.skipif(not _has_humaneval(), reason=(
-    "HumanEval absent: run `bash ../shared/scripts/fetch_models.sh humaneval` (or set DFLASH_ASSETS)"))
+needs_humaneval = pytest.mark.skipif(
+    not _has_humaneval(),
+    reason=(
+        "HumanEval absent: run `bash ../shared/scripts/fetch_models.sh humaneval` (or set DFLASH_ASSETS)"
+    ),
+)
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +52,9 @@ def smol():
 def test_smollm2_loads_from_gguf(smol):
     cfg, t = smol
     assert (t.num_layers, t.hidden_size, t.vocab_size) == (30, 576, 49152)
-    assert os.path.exists(os.path.join(os.path.dirname(SMOL_GGUF), "hf-SmolLM2-135M-Instruct.Q4_1", "config.json"))
+    assert os.path.exists(
+        os.path.join(os.path.dirname(SMOL_GGUF), "hf-SmolLM2-135M-Instruct.Q4_1", "config.json")
+    )
     assert t.backend == "none" and t.layer_ids == [1, 10, 18, 27]
     # the mask token: an unused special token, not produced by chat-formatted prompts
     assert t.mask_token_id == 16 and t.tokenizer.convert_ids_to_tokens(16) == "<empty_output>"
@@ -54,14 +65,22 @@ def test_smollm2_loads_from_gguf(smol):
 @needs_smol
 def test_smollm2_aux_states_equal_hf_hidden_states(smol):
     _, t = smol
-    ids = torch.tensor([t.tokenizer("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")["input_ids"]])
+    ids = torch.tensor(
+        [
+            t.tokenizer('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')[
+                "input_ids"
+            ]
+        ]
+    )
     out = t.capture(ids)
     ref = t.model(input_ids=ids, output_hidden_states=True, use_cache=False)
     H = t.hidden_size
     assert out.aux_NTF.shape == (1, ids.shape[1], 4 * H)
     assert torch.isfinite(out.aux_NTF).all()
     for i, lid in enumerate(t.layer_ids):
-        torch.testing.assert_close(out.aux_NTF[..., i * H:(i + 1) * H], ref.hidden_states[lid + 1], rtol=0, atol=0)
+        torch.testing.assert_close(
+            out.aux_NTF[..., i * H : (i + 1) * H], ref.hidden_states[lid + 1], rtol=0, atol=0
+        )
     assert torch.equal(out.next_token_NT, ref.logits.argmax(-1))
 
 
@@ -79,15 +98,19 @@ def test_smollm2_regenerates_with_its_chat_template(smol):
     # responses are the target's own greedy tokens: a teacher-forced forward agrees with them
     agree = total = 0
     for p, r in zip(prompts, responses):
-        nxt = t.capture(torch.tensor([p + r])).next_token_NT[0, len(p) - 1:-1]
+        nxt = t.capture(torch.tensor([p + r])).next_token_NT[0, len(p) - 1 : -1]
         agree += int((nxt == torch.tensor(r)).sum())
         total += len(r)
     assert agree / total >= 0.9
-    assert "```python" in t.tokenizer.decode(responses[0]) or "def" in t.tokenizer.decode(responses[0])
+    assert "```python" in t.tokenizer.decode(responses[0]) or "def" in t.tokenizer.decode(
+        responses[0]
+    )
 
 
-@pytest.mark.skipif(not os.path.exists(QWEN_GGUF), reason=(
-    f"{QWEN_GGUF} absent: run `bash ../shared/scripts/fetch_models.sh qwen05` (491 MB)"))
+@pytest.mark.skipif(
+    not os.path.exists(QWEN_GGUF),
+    reason=(f"{QWEN_GGUF} absent: run `bash ../shared/scripts/fetch_models.sh qwen05` (491 MB)"),
+)
 def test_qwen2_5_coder_mask_token_is_fim_pad():
     cfg = target_config_from_yaml("qwen2_5_coder_0_5b", device="cpu", dtype="float32")
     t = load_target(cfg, num_aux=3)
@@ -104,14 +127,20 @@ def test_gguf_converts_once_to_a_plain_directory(tmp_path):
     os.symlink(SMOL_GGUF, tmp_path / "smollm2" / os.path.basename(SMOL_GGUF))
     cfg = target_config_from_yaml("smollm2_135m", path=str(tmp_path / "smollm2"))
     path = resolve_local_path(cfg)
-    assert sorted(os.listdir(tmp_path / "smollm2")) == sorted([os.path.basename(SMOL_GGUF), os.path.basename(path)])
+    assert sorted(os.listdir(tmp_path / "smollm2")) == sorted(
+        [os.path.basename(SMOL_GGUF), os.path.basename(path)]
+    )
     mtime = os.path.getmtime(os.path.join(path, "config.json"))
-    assert resolve_local_path(cfg) == path and os.path.getmtime(os.path.join(path, "config.json")) == mtime
+    assert (
+        resolve_local_path(cfg) == path
+        and os.path.getmtime(os.path.join(path, "config.json")) == mtime
+    )
     from transformers import AutoModelForCausalLM
 
     converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
-    direct = AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOL_GGUF), gguf_file=os.path.basename(SMOL_GGUF),
-                                                  dtype=torch.float32).state_dict()
+    direct = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(SMOL_GGUF), gguf_file=os.path.basename(SMOL_GGUF), dtype=torch.float32
+    ).state_dict()
     assert converted.keys() == direct.keys()
     for n in direct:
         assert torch.equal(converted[n], direct[n]), n

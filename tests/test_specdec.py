@@ -1,21 +1,30 @@
 """Real speculative decoding (dflash.specdec): identity with greedy decoding, agreement with the
 offline simulation, and the hybrid-cache rollback (pitfall 8)."""
+
 import math
 
 import pytest
 import torch
-
 from conftest import get_target, make_drafter
+
 from dflash.evaluation import consistent_greedy, draft_all_anchors, evaluate
 from dflash.metrics import summarize
-from dflash.specdec import (OracleDrafter, crop_attention, generate_ar, generate_chain, generate_tree,
-                            new_cache, restore_linear_state, snapshot_linear_state)
+from dflash.specdec import (
+    OracleDrafter,
+    crop_attention,
+    generate_ar,
+    generate_chain,
+    generate_tree,
+    new_cache,
+    restore_linear_state,
+    snapshot_linear_state,
+)
 from dflash.trainer import Heads
 
 torch.set_num_threads(1)
 
 TARGETS = ["tiny_llama", "tiny_qwen3_5"]
-B = 8                     # block size of the test drafters (D = 7 drafted positions)
+B = 8  # block size of the test drafters (D = 7 drafted positions)
 D = B - 1
 
 
@@ -26,8 +35,14 @@ def _prompts(n, seed, length=12, vocab=511):
 
 def _base_drafter(target):
     # one sliding (causal in block, window 64) + one full layer: both mask rules are exercised
-    return make_drafter(target, block_size=B, layer_types=("sliding_attention", "full_attention"),
-                        window=64, seed=0, std=0.05)
+    return make_drafter(
+        target,
+        block_size=B,
+        layer_types=("sliding_attention", "full_attention"),
+        window=64,
+        seed=0,
+        std=0.05,
+    )
 
 
 @pytest.mark.parametrize("name", TARGETS)
@@ -43,16 +58,20 @@ def test_outputs_identical_to_greedy(name):
         ar = generate_ar(target, prompt, n_new)
         assert len(ar.tokens) == n_new and ar.num_rounds == 0 and math.isnan(ar.tau)
         # the random drafter (one token per round: slow on the hybrid tree path) on one prompt
-        for pattern in (("none", "mixed", "full") if i == 0 else ("mixed", "full")):
-            drafter = OracleDrafter(base, target.lm_head.weight, prompt + ar.tokens, pattern=pattern, seed=i)
+        for pattern in ("none", "mixed", "full") if i == 0 else ("mixed", "full"):
+            drafter = OracleDrafter(
+                base, target.lm_head.weight, prompt + ar.tokens, pattern=pattern, seed=i
+            )
             ch = generate_chain(target, drafter, prompt, n_new)
             assert ch.tokens == ar.tokens, (name, pattern, "chain")
             # every round commits accepted + 1 tokens (last round capped at max_new_tokens)
-            assert 1 + sum(a + 1 for a in ch.accepted) >= n_new > sum(a + 1 for a in ch.accepted[:-1])
+            assert (
+                1 + sum(a + 1 for a in ch.accepted) >= n_new > sum(a + 1 for a in ch.accepted[:-1])
+            )
             assert ch.tau == pytest.approx(sum(ch.accepted) / len(ch.accepted) + 1)
             assert ch.tokens_per_s > 0
             if pattern == "none":
-                assert sum(ch.accepted) <= 2          # a random drafter accepts (almost) nothing
+                assert sum(ch.accepted) <= 2  # a random drafter accepts (almost) nothing
             if pattern == "full":
                 assert all(a == min(D, n) for a, n in zip(ch.accepted, _remaining(ch, n_new)))
             if pattern == "mixed":
@@ -82,7 +101,9 @@ def test_eos_stops_like_greedy(name):
     eos = ar_full.tokens[17]
     ar = generate_ar(target, prompt, 30, eos_token_id=eos)
     assert ar.tokens == ar_full.tokens[: ar_full.tokens.index(eos) + 1]
-    drafter = OracleDrafter(_base_drafter(target), target.lm_head.weight, prompt + ar_full.tokens, "full")
+    drafter = OracleDrafter(
+        _base_drafter(target), target.lm_head.weight, prompt + ar_full.tokens, "full"
+    )
     assert generate_chain(target, drafter, prompt, 30, eos_token_id=eos).tokens == ar.tokens
     assert generate_tree(target, drafter, prompt, 30, 8, eos_token_id=eos).tokens == ar.tokens
 
@@ -111,7 +132,7 @@ def test_offline_tau_equals_real_decoding(name):
         ar = generate_ar(target, prompt, L0)
         item = consistent_greedy(target, prompt, ar.tokens)
         L = item.completion_ids.numel()
-        assert L >= 40, f"completion cut at {L} by a near-tie"   # stays a meaningful walk
+        assert L >= 40, f"completion cut at {L} by a near-tie"  # stays a meaningful walk
         truth = prompt + item.completion_ids.tolist()
         drafter = OracleDrafter(base, target.lm_head.weight, truth, pattern="mixed", seed=100 + i)
 
@@ -137,12 +158,14 @@ def test_offline_tau_equals_real_decoding(name):
     real_tau = sum(sum(c.accepted) for c in real_chain) / rounds + 1
     assert summary["num_rounds"] == rounds
     assert summary["tau"] == pytest.approx(real_tau, abs=1e-12)
-    assert 2.0 < real_tau < B                      # a non-trivial acceptance regime
+    assert 2.0 < real_tau < B  # a non-trivial acceptance regime
     # the trees accept through the oracle's runner-up positions, beyond the chain
     assert summary["tau@16"] > summary["tau"], summary
     for b in budgets:
         n = sum(t.num_rounds for t in real_tree[b])
-        assert summary[f"tau@{b}"] == pytest.approx(sum(sum(t.accepted) for t in real_tree[b]) / n + 1, abs=1e-12)
+        assert summary[f"tau@{b}"] == pytest.approx(
+            sum(sum(t.accepted) for t in real_tree[b]) / n + 1, abs=1e-12
+        )
 
 
 def _fresh_state(target, ids):
@@ -160,7 +183,7 @@ def test_crop_alone_is_wrong_on_hybrid():
     the fresh state and greedy output. On the pure-attention target crop is enough."""
     qwen = get_target("tiny_qwen3_5")
     prompt = _prompts(1, seed=11)[0]
-    block = [5, 17, 33, 99, 123, 200, 301, 402]   # a verify block; keep its first 3 tokens
+    block = [5, 17, 33, 99, 123, 200, 301, 402]  # a verify block; keep its first 3 tokens
     keep = 3
     P = len(prompt)
     want = _fresh_state(qwen, prompt + block[:keep])
@@ -169,17 +192,30 @@ def test_crop_alone_is_wrong_on_hybrid():
         cache = new_cache(qwen.model)
         if mode == "crop":
             cache.activate_past_recording()
-        qwen.model(input_ids=torch.tensor([prompt]), position_ids=torch.arange(P)[None], cache=cache, use_cache=True)
+        qwen.model(
+            input_ids=torch.tensor([prompt]),
+            position_ids=torch.arange(P)[None],
+            cache=cache,
+            use_cache=True,
+        )
         snap = snapshot_linear_state(cache)
-        qwen.model(input_ids=torch.tensor([block]), position_ids=torch.arange(P, P + len(block))[None],
-                   cache=cache, use_cache=True)
+        qwen.model(
+            input_ids=torch.tensor([block]),
+            position_ids=torch.arange(P, P + len(block))[None],
+            cache=cache,
+            use_cache=True,
+        )
         if mode == "crop":
             cache.crop(-(len(block) - keep))
         else:
             restore_linear_state(cache, snap)
             crop_attention(cache, len(block))
-            qwen.model(input_ids=torch.tensor([block[:keep]]), position_ids=torch.arange(P, P + keep)[None],
-                       cache=cache, use_cache=True)
+            qwen.model(
+                input_ids=torch.tensor([block[:keep]]),
+                position_ids=torch.arange(P, P + keep)[None],
+                cache=cache,
+                use_cache=True,
+            )
         return cache
 
     def max_diff(cache, attr):
@@ -196,8 +232,8 @@ def test_crop_alone_is_wrong_on_hybrid():
     assert good.get_seq_length() == bad.get_seq_length() == P + keep
     for attr in ("keys", "conv_states", "recurrent_states"):
         assert max_diff(good, attr) < 1e-5, attr
-    assert max_diff(bad, "conv_states") < 1e-5        # crop does roll back the conv window...
-    assert max_diff(bad, "recurrent_states") > 1e-3   # ...but not the recurrent state
+    assert max_diff(bad, "conv_states") < 1e-5  # crop does roll back the conv window...
+    assert max_diff(bad, "recurrent_states") > 1e-3  # ...but not the recurrent state
 
     # the next token's logits after each rollback vs after the fresh prefill
     nxt = torch.tensor([[7]])
@@ -218,7 +254,9 @@ def test_crop_alone_is_wrong_on_hybrid():
         for p in _prompts(2 if name == "tiny_qwen3_5" else 1, seed=12):
             ar = generate_ar(target, p, 32)
             assert generate_chain(target, drafter, p, 32).tokens == ar.tokens
-            crop_ok.append(generate_chain(target, drafter, p, 32, rollback="crop").tokens == ar.tokens)
+            crop_ok.append(
+                generate_chain(target, drafter, p, 32, rollback="crop").tokens == ar.tokens
+            )
         assert all(crop_ok) == (name == "tiny_llama"), (name, crop_ok)
 
 
@@ -229,21 +267,29 @@ def test_tree_verify_equals_sequential(name):
     positions; hybrid: the batch of root-to-leaf chains) equal those of a sequential forward of
     its path, and after commit the cache equals a fresh prefill of prompt + accepted path."""
     from dflash.ddtree import build_ddtree
-    from dflash.specdec import (_TargetRunner, _root_to_leaf_paths, _tree_forward, expand_cache,
-                                gather_attention, is_hybrid_cache)
+    from dflash.specdec import (
+        _root_to_leaf_paths,
+        _TargetRunner,
+        _tree_forward,
+        expand_cache,
+        gather_attention,
+        is_hybrid_cache,
+    )
 
     target = get_target(name)
     run = _TargetRunner(target)
     prompt = _prompts(1, seed=5)[0]
     P = len(prompt)
     g = torch.Generator().manual_seed(0)
-    lp = torch.log_softmax(torch.randn(D, target.vocab_size, generator=g) * 4, -1)  # peaked: deep and wide
+    lp = torch.log_softmax(
+        torch.randn(D, target.vocab_size, generator=g) * 4, -1
+    )  # peaked: deep and wide
     tree = build_ddtree(lp, 24)
     assert int(tree.depths.max()) >= 3 and (tree.parents == -1).sum() >= 2
     bonus = 42
     cache = new_cache(target.model)
     run(torch.tensor([prompt]), torch.arange(P)[None], cache, last_only=True)
-    node_path = {}   # node index -> its root path (node indices)
+    node_path = {}  # node index -> its root path (node indices)
     for leaf_path in _root_to_leaf_paths(tree):
         for j in range(len(leaf_path)):
             node_path[leaf_path[j]] = leaf_path[: j + 1]
@@ -263,8 +309,12 @@ def test_tree_verify_equals_sequential(name):
         gather_attention(cache, torch.cat([torch.arange(P + 1), P + 1 + torch.tensor(path)]))
         want = new_cache(target.model)
         ids = prompt + [bonus] + tree.tokens[path].tolist()
-        target.model(input_ids=torch.tensor([ids]), position_ids=torch.arange(len(ids))[None], cache=want,
-                     use_cache=True)
+        target.model(
+            input_ids=torch.tensor([ids]),
+            position_ids=torch.arange(len(ids))[None],
+            cache=want,
+            use_cache=True,
+        )
         for a, b in zip(cache.layers, want.layers):
             assert a.keys.shape == b.keys.shape and torch.allclose(a.keys, b.keys, atol=1e-5)
             assert torch.allclose(a.values, b.values, atol=1e-5)
@@ -273,7 +323,7 @@ def test_tree_verify_equals_sequential(name):
         L = 1 + max(len(p) for p in leaves)
         rows = torch.full((len(leaves), L), bonus, dtype=torch.long)
         for r, p in enumerate(leaves):
-            rows[r, 1:1 + len(p)] = tree.tokens[p]
+            rows[r, 1 : 1 + len(p)] = tree.tokens[p]
         before = snapshot_linear_state(cache)
         bcache = expand_cache(target.model, cache, len(leaves))
         _, aux = run(rows, torch.arange(P, P + L)[None].expand(len(leaves), L), bcache)
@@ -281,6 +331,6 @@ def test_tree_verify_equals_sequential(name):
             ref = seq_aux(p)
             got = aux[r, : 1 + len(p)]
             assert torch.allclose(got, ref, atol=1e-5), (r, float((got - ref).abs().max()))
-        after = snapshot_linear_state(cache)   # the committed cache was not touched
+        after = snapshot_linear_state(cache)  # the committed cache was not touched
         for s0, s1 in zip(before, after):
             assert all(torch.equal(s0[0][k], s1[0][k]) for k in (0, 1))

@@ -1,5 +1,6 @@
 """The target: Gated-DeltaNet backend selection and its report, aux-state capture against a plain
 HF forward, mask-token errors, config loading, and the parity checker."""
+
 import json
 import os
 import subprocess
@@ -8,10 +9,17 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import ROOT, get_target
-from dflash.target import (check_bound_backend, linear_attn_kind, linear_attn_report, load_conf,
-                           resolve_mask_token_id, select_linear_attn_backend, target_config_from_yaml)
+
+from dflash.target import (
+    check_bound_backend,
+    linear_attn_kind,
+    linear_attn_report,
+    load_conf,
+    resolve_mask_token_id,
+    select_linear_attn_backend,
+    target_config_from_yaml,
+)
 
 CPU = torch.device("cpu")
 
@@ -23,7 +31,9 @@ def test_torch_chosen_on_cpu():
 
 
 def test_fla_refused_without_cuda():
-    with pytest.raises(ValueError, match="linear_attn_backend=fla needs a CUDA device.*linear_attn_backend=torch"):
+    with pytest.raises(
+        ValueError, match="linear_attn_backend=fla needs a CUDA device.*linear_attn_backend=torch"
+    ):
         select_linear_attn_backend("fla", CPU)
     with pytest.raises(ValueError, match="choose auto, fla or torch"):
         select_linear_attn_backend("triton", CPU)
@@ -31,7 +41,12 @@ def test_fla_refused_without_cuda():
 
 def test_report_says_torch_fallback_on_cpu(tiny_qwen, tiny_llama):
     report = linear_attn_report()
-    for op in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update"):
+    for op in (
+        "chunk_gated_delta_rule",
+        "recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    ):
         assert report[op].startswith("torch fallback ("), report
     assert "torch_chunk_gated_delta_rule" in report["chunk_gated_delta_rule"]
     assert linear_attn_kind(report) == "torch"
@@ -54,24 +69,34 @@ def test_report_reads_the_pre_5_15_layout():
 
     def chunk_gated_delta_rule():
         pass
+
     chunk_gated_delta_rule.__module__ = "fla.ops.gated_delta_rule.chunk"
     mod = types.ModuleType("transformers.models.qwen3_next.modeling_qwen3_next")
     torch_chunk_gated_delta_rule.__module__ = mod.__name__
-    mod.torch_chunk_gated_delta_rule, mod.chunk_gated_delta_rule = torch_chunk_gated_delta_rule, None
+    mod.torch_chunk_gated_delta_rule, mod.chunk_gated_delta_rule = (
+        torch_chunk_gated_delta_rule,
+        None,
+    )
     mod.causal_conv1d_fn = None
     rep = linear_attn_report(mod)
-    assert rep["chunk_gated_delta_rule"].startswith("torch fallback (") and linear_attn_kind(rep) == "torch"
+    assert (
+        rep["chunk_gated_delta_rule"].startswith("torch fallback (")
+        and linear_attn_kind(rep) == "torch"
+    )
     assert rep["causal_conv1d_fn"] == "torch fallback (inline torch code)"
     mod.chunk_gated_delta_rule = chunk_gated_delta_rule
     rep = linear_attn_report(mod)
-    assert rep["chunk_gated_delta_rule"] == "fla (fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule)"
+    assert (
+        rep["chunk_gated_delta_rule"]
+        == "fla (fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule)"
+    )
     assert linear_attn_kind(rep) == "fla"
 
 
 _FAKE_FLA = {
     "fla/__init__.py": "",
     "fla/ops/__init__.py": "",
-    "fla/ops/gated_delta_rule/__init__.py": textwrap.dedent('''
+    "fla/ops/gated_delta_rule/__init__.py": textwrap.dedent("""
         def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, output_final_state=False,
                                    use_qk_l2norm_in_kernel=False, cu_seqlens=None):
             raise RuntimeError("fake fla kernel")
@@ -80,7 +105,7 @@ _FAKE_FLA = {
                                              output_final_state=False, use_qk_l2norm_in_kernel=False,
                                              cu_seqlens=None):
             raise RuntimeError("fake fla kernel")
-    '''),
+    """),
 }
 
 
@@ -90,8 +115,14 @@ def _run_with_fake_fla(tmp_path, script: str) -> str:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(src)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -99,7 +130,9 @@ def _run_with_fake_fla(tmp_path, script: str) -> str:
 def test_report_reads_fla_binding_and_refuses_a_late_switch(tmp_path):
     """With an importable `fla`, transformers binds it at import; the report follows the
     wrapper's closure to it, and selecting torch afterwards is refused (it cannot take effect)."""
-    out = _run_with_fake_fla(tmp_path, """
+    out = _run_with_fake_fla(
+        tmp_path,
+        """
         import json, torch
         import transformers.models.qwen3_5.modeling_qwen3_5 as m
         from dflash.target import linear_attn_report, linear_attn_kind, select_linear_attn_backend
@@ -110,17 +143,25 @@ def test_report_reads_fla_binding_and_refuses_a_late_switch(tmp_path):
         except ValueError as e:
             late = str(e)
         print(json.dumps({"report": r, "kind": linear_attn_kind(r), "late": late}))
-    """)
+    """,
+    )
     res = json.loads(out.strip().splitlines()[-1])
-    assert res["report"]["chunk_gated_delta_rule"] == "fla (fla.ops.gated_delta_rule.chunk_gated_delta_rule)"
+    assert (
+        res["report"]["chunk_gated_delta_rule"]
+        == "fla (fla.ops.gated_delta_rule.chunk_gated_delta_rule)"
+    )
     assert res["report"]["recurrent_gated_delta_rule"].startswith("fla (")
-    assert res["report"]["causal_conv1d_fn"].startswith("torch fallback")  # no causal_conv1d package
+    assert res["report"]["causal_conv1d_fn"].startswith(
+        "torch fallback"
+    )  # no causal_conv1d package
     assert res["kind"] == "fla"
     assert "imported with the fla" in res["late"]
 
 
 def test_torch_selection_hides_an_already_imported_fla(tmp_path):
-    out = _run_with_fake_fla(tmp_path, """
+    out = _run_with_fake_fla(
+        tmp_path,
+        """
         import json, sys, torch
         import fla
         from dflash.target import linear_attn_report, linear_attn_kind, load_target, target_config_from_yaml
@@ -128,7 +169,8 @@ def test_torch_selection_hides_an_already_imported_fla(tmp_path):
         x = t.capture(torch.randint(0, 512, (1, 12)))  # the fake kernels would raise
         print(json.dumps({"kind": linear_attn_kind(linear_attn_report()), "backend": t.backend,
                           "fla_back": sys.modules.get("fla") is fla}))
-    """)
+    """,
+    )
     res = json.loads(out.strip().splitlines()[-1])
     assert res == {"kind": "torch", "backend": "torch", "fla_back": True}
 
@@ -143,17 +185,23 @@ def test_capture_equals_hf_hidden_states(name):
     H = target.hidden_size
     assert out.aux_NTF.shape == (2, 40, len(target.layer_ids) * H)
     for i, lid in enumerate(target.layer_ids):  # layer l = hidden_states[l + 1]
-        torch.testing.assert_close(out.aux_NTF[..., i * H:(i + 1) * H], ref.hidden_states[lid + 1],
-                                   rtol=0, atol=0)
-        assert not torch.allclose(out.aux_NTF[..., i * H:(i + 1) * H], ref.hidden_states[lid], atol=1e-3)
+        torch.testing.assert_close(
+            out.aux_NTF[..., i * H : (i + 1) * H], ref.hidden_states[lid + 1], rtol=0, atol=0
+        )
+        assert not torch.allclose(
+            out.aux_NTF[..., i * H : (i + 1) * H], ref.hidden_states[lid], atol=1e-3
+        )
     torch.testing.assert_close(out.final_hidden_NTH, ref.hidden_states[-1], rtol=0, atol=0)
     assert torch.equal(out.next_token_NT, ref.logits.argmax(-1))
 
 
 def test_capture_labels_are_chunked_identically(tiny_qwen):
-    ids = torch.randint(0, tiny_qwen.vocab_size, (1, 33), generator=torch.Generator().manual_seed(1))
-    assert torch.equal(tiny_qwen.capture(ids, label_chunk=7).next_token_NT,
-                       tiny_qwen.capture(ids).next_token_NT)
+    ids = torch.randint(
+        0, tiny_qwen.vocab_size, (1, 33), generator=torch.Generator().manual_seed(1)
+    )
+    assert torch.equal(
+        tiny_qwen.capture(ids, label_chunk=7).next_token_NT, tiny_qwen.capture(ids).next_token_NT
+    )
 
 
 # ----------------------------------------------------------------------------- mask token
@@ -161,7 +209,9 @@ def test_mask_token_errors_name_the_fix():
     class NoMask:
         mask_token_id = None
 
-    with pytest.raises(ValueError, match=r"no mask token; set target.mask_token_id.*add_special_tokens"):
+    with pytest.raises(
+        ValueError, match=r"no mask token; set target.mask_token_id.*add_special_tokens"
+    ):
         resolve_mask_token_id(NoMask(), 100, None)
     with pytest.raises(ValueError, match="outside the target's embedding"):
         resolve_mask_token_id(NoMask(), 100, 100)
@@ -172,7 +222,9 @@ def test_mask_token_errors_name_the_fix():
 # ----------------------------------------------------------------------------- configs
 def test_every_target_yaml_loads_without_hydra(monkeypatch):
     monkeypatch.setenv("DFLASH_ASSETS", "/assets")
-    names = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "target")) if f.endswith(".yaml"))
+    names = sorted(
+        f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "target")) if f.endswith(".yaml")
+    )
     for n in names:
         cfg = target_config_from_yaml(n)
         assert cfg.path is None or cfg.config is None, n  # a required path may be left unset
@@ -182,6 +234,7 @@ def test_every_target_yaml_loads_without_hydra(monkeypatch):
     with pytest.raises(FileNotFoundError, match="choose one of"):
         load_conf("target", "no_such_target")
     from dflash.target import resolve_local_path
+
     with pytest.raises(ValueError, match="target.path is not set"):
         resolve_local_path(target_config_from_yaml("qwen3_6_27b"))
     with pytest.raises(FileNotFoundError, match="fetch_models.sh"):
@@ -193,7 +246,10 @@ def test_env_resolution_without_omegaconf(monkeypatch):
 
     monkeypatch.delenv("DFLASH_ASSETS", raising=False)
     monkeypatch.setenv("HOME", "/h")
-    assert _resolve_env("${oc.env:DFLASH_ASSETS,${oc.env:HOME}/.cache/dflash}/x") == "/h/.cache/dflash/x"
+    assert (
+        _resolve_env("${oc.env:DFLASH_ASSETS,${oc.env:HOME}/.cache/dflash}/x")
+        == "/h/.cache/dflash/x"
+    )
     monkeypatch.setenv("DFLASH_ASSETS", "/a")
     assert _resolve_env({"p": ["${oc.env:DFLASH_ASSETS,${oc.env:HOME}/c}"]}) == {"p": ["/a"]}
 
@@ -203,8 +259,19 @@ def _parity(tmp_path, *extra):
     from dflash.tools import parity
 
     out = tmp_path / "parity.json"
-    rc = parity.main(["--target", "tiny_qwen3_5", "--tokens", "48", "--layers", "1,3,5",
-                      "--out", str(out), *extra])
+    rc = parity.main(
+        [
+            "--target",
+            "tiny_qwen3_5",
+            "--tokens",
+            "48",
+            "--layers",
+            "1,3,5",
+            "--out",
+            str(out),
+            *extra,
+        ]
+    )
     return rc, json.loads(out.read_text())
 
 
@@ -247,9 +314,28 @@ def test_parity_in_two_subprocesses(tmp_path):
     """The path fla-vs-torch comparisons take (the backend is bound at import): each run in its
     own fresh process; here with torch on both sides, so results must be bit-identical."""
     out = tmp_path / "p.json"
-    r = subprocess.run([sys.executable, "-m", "dflash.tools.parity", "--target", "tiny_qwen3_5", "--tokens", "32",
-                        "--layers", "2,5", "--subprocess", "--perturb", "b:5:0.5", "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash.tools.parity",
+            "--target",
+            "tiny_qwen3_5",
+            "--tokens",
+            "32",
+            "--layers",
+            "2,5",
+            "--subprocess",
+            "--perturb",
+            "b:5:0.5",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     rep = json.loads(out.read_text())
     assert rep["separate_processes"] and rep["failed_layers"] == [5]

@@ -1,16 +1,13 @@
 """Training guarantees: exact gradient accumulation, clean labels under noise, loss math,
 save -> resume -> continue equals an uninterrupted run."""
-import copy
-import dataclasses
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import make_drafter
 
-from conftest import get_target, make_drafter
 from dflash.batch import Sample, add_input_noise, collate, target_forward
-from dflash.config import RunConfig, TrainConfig
+from dflash.config import TrainConfig
 from dflash.loss import position_weights, weighted_ce_sum
 from dflash.trainer import DrafterTrainer, Heads
 
@@ -28,7 +25,9 @@ def _samples(target, n=4, L=20, P=6, seed=0):
 
 def _trainer(target, drafter, **over):
     cfg = TrainConfig(steps=10, max_anchors=6, lr=1e-2, **over)
-    return DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), cfg, torch.device("cpu"))
+    return DrafterTrainer(
+        drafter, Heads(target.embed_tokens, target.lm_head), cfg, torch.device("cpu")
+    )
 
 
 def _grads(trainer, micro):
@@ -45,8 +44,11 @@ def test_grad_accumulation_equals_one_big_batch(tiny_qwen):
     drafter = make_drafter(tiny_qwen)
     tr = _trainer(tiny_qwen, drafter)
     big = [target_forward(tiny_qwen, collate(s))]
-    small = [target_forward(tiny_qwen, collate(s[:1])), target_forward(tiny_qwen, collate(s[1:3])),
-             target_forward(tiny_qwen, collate(s[3:]))]
+    small = [
+        target_forward(tiny_qwen, collate(s[:1])),
+        target_forward(tiny_qwen, collate(s[1:3])),
+        target_forward(tiny_qwen, collate(s[3:])),
+    ]
     g_big, g_small = _grads(tr, big), _grads(tr, small)
     for k in g_big:
         assert torch.allclose(g_big[k], g_small[k], atol=1e-6, rtol=1e-4), k
@@ -59,7 +61,9 @@ def test_train_step_accumulation_matches_big_batch(tiny_qwen):
     d1, d2 = make_drafter(tiny_qwen), make_drafter(tiny_qwen)
     t1, t2 = _trainer(tiny_qwen, d1), _trainer(tiny_qwen, d2)
     m1 = t1.train_step([target_forward(tiny_qwen, collate(s))])
-    m2 = t2.train_step([target_forward(tiny_qwen, collate(s[:2])), target_forward(tiny_qwen, collate(s[2:]))])
+    m2 = t2.train_step(
+        [target_forward(tiny_qwen, collate(s[:2])), target_forward(tiny_qwen, collate(s[2:]))]
+    )
     assert m1["train/loss"] == pytest.approx(m2["train/loss"], rel=1e-5)
     # Adam's first update is ~lr * sign(g): compare the updates, with the tolerance that rounding
     # in g can flip for entries whose gradient is ~0.
@@ -102,16 +106,29 @@ def test_position_weights_and_weighted_ce():
 
 
 def _run_cfg(tmp_path, steps, resume=None, **train):
-    from dflash.cli import setup, typed
+    from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from conftest import CONF
+    from dflash.cli import setup, typed
 
     setup()
-    over = [f"train.steps={steps}", "train.save_every=2", "train.eval_every=1000", "train.log_every=1",
-            "train.micro_batch_size=2", "train.grad_accum=2", "train.max_anchors=6", "data.num_samples=8",
-            "data.response_len=12", "eval.enabled=false", "logger=none", f"out_root={tmp_path}",
-            f"data.cache_dir={tmp_path}/cache", "train.noise_std=0.1", "train.keep_last=5"]
+    over = [
+        f"train.steps={steps}",
+        "train.save_every=2",
+        "train.eval_every=1000",
+        "train.log_every=1",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.max_anchors=6",
+        "data.num_samples=8",
+        "data.response_len=12",
+        "eval.enabled=false",
+        "logger=none",
+        f"out_root={tmp_path}",
+        f"data.cache_dir={tmp_path}/cache",
+        "train.noise_std=0.1",
+        "train.keep_last=5",
+    ]
     over += [f"train.{k}={v}" for k, v in train.items()]
     if resume:
         over.append(f"resume={resume}")

@@ -17,6 +17,7 @@ L2 error; a layer passes when its mean cosine >= --threshold. Exit code 0 when e
 passes, 1 otherwise (2 on usage errors). `--perturb b:LAYER:SCALE` adds Gaussian noise of SCALE
 times the RMS to LAYER's output in run b: a self-test that the checker names a broken layer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,7 +28,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
@@ -39,10 +39,12 @@ class Setting:
     device: str
 
     @classmethod
-    def parse(cls, spec: str) -> "Setting":
+    def parse(cls, spec: str) -> Setting:
         parts = spec.split(":")
         if len(parts) != 3:
-            raise ValueError(f"setting {spec!r}: expected BACKEND:DTYPE:DEVICE, e.g. torch:float32:cpu")
+            raise ValueError(
+                f"setting {spec!r}: expected BACKEND:DTYPE:DEVICE, e.g. torch:float32:cpu"
+            )
         backend, dtype, device = parts
         if backend not in ("auto", "fla", "torch"):
             raise ValueError(f"setting {spec!r}: backend must be auto, fla or torch")
@@ -58,8 +60,16 @@ class Setting:
 def capture_run(args, setting: Setting, side: str) -> dict:
     """Load the target under `setting`, run the fixed token ids, return per-layer aux states
     (float32, CPU), the greedy tokens and what ran."""
-    from ..target import (TargetConfig, Target, check_bound_backend, linear_attn_report, load_hf_model,
-                          resolve_dtype, select_linear_attn_backend, target_config_from_yaml)
+    from ..target import (
+        Target,
+        TargetConfig,
+        check_bound_backend,
+        linear_attn_report,
+        load_hf_model,
+        resolve_dtype,
+        select_linear_attn_backend,
+        target_config_from_yaml,
+    )
 
     tcfg: TargetConfig = target_config_from_yaml(args.target)
     if args.num_layers is not None:
@@ -70,7 +80,9 @@ def capture_run(args, setting: Setting, side: str) -> dict:
     backend = select_linear_attn_backend(setting.backend, device)
     init_dev, init_dtype = _init_spec(args.init, tcfg, setting)
     t0 = time.perf_counter()
-    model, tokenizer = load_hf_model(tcfg, torch.device(init_dev), resolve_dtype(init_dtype, torch.device(init_dev)))
+    model, tokenizer = load_hf_model(
+        tcfg, torch.device(init_dev), resolve_dtype(init_dtype, torch.device(init_dev))
+    )
     model.to(device=device, dtype=resolve_dtype(setting.dtype, device))
     backend = check_bound_backend(model, backend)
     load_s = time.perf_counter() - t0
@@ -94,9 +106,16 @@ def capture_run(args, setting: Setting, side: str) -> dict:
             handle.remove()
     H = target.hidden_size
     aux = out.aux_NTF[0].float().cpu()
-    result = {"setting": str(setting), "backend": backend, "linear_attn": linear_attn_report(),
-              "layers": layers, "aux": {lid: aux[:, i * H:(i + 1) * H].clone() for i, lid in enumerate(layers)},
-              "next_token": out.next_token_NT[0].cpu(), "load_s": load_s, "forward_s": fwd_s}
+    result = {
+        "setting": str(setting),
+        "backend": backend,
+        "linear_attn": linear_attn_report(),
+        "layers": layers,
+        "aux": {lid: aux[:, i * H : (i + 1) * H].clone() for i, lid in enumerate(layers)},
+        "next_token": out.next_token_NT[0].cpu(),
+        "load_s": load_s,
+        "forward_s": fwd_s,
+    }
     del target, model, out
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -112,7 +131,7 @@ def _init_spec(spec: str, tcfg, setting: Setting) -> tuple[str, str]:
     return dev, dtype or "float32"
 
 
-def _layer_ids(spec: Optional[str], num_layers: int) -> list[int]:
+def _layer_ids(spec: str | None, num_layers: int) -> list[int]:
     from ..target import check_layer_ids, default_layer_ids
 
     if not spec:
@@ -145,37 +164,66 @@ def compare(a: dict, b: dict, threshold: float) -> dict:
         x, y = a["aux"][lid].double(), b["aux"][lid].double()
         cos = torch.nn.functional.cosine_similarity(x, y, dim=-1)
         diff = (x - y).abs()
-        rows.append({"layer": lid, "cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
-                     "abs_mean": float(diff.mean()), "abs_max": float(diff.max()),
-                     "rel_l2": float((x - y).norm() / y.norm().clamp_min(1e-30)),
-                     "pass": bool(cos.mean() >= threshold)})
+        rows.append(
+            {
+                "layer": lid,
+                "cos_mean": float(cos.mean()),
+                "cos_min": float(cos.min()),
+                "abs_mean": float(diff.mean()),
+                "abs_max": float(diff.max()),
+                "rel_l2": float((x - y).norm() / y.norm().clamp_min(1e-30)),
+                "pass": bool(cos.mean() >= threshold),
+            }
+        )
     agree = float((a["next_token"] == b["next_token"]).double().mean())
     failed = [r["layer"] for r in rows if not r["pass"]]
-    return {"threshold": threshold, "layers": rows, "next_token_agreement": agree,
-            "failed_layers": failed, "pass": not failed}
+    return {
+        "threshold": threshold,
+        "layers": rows,
+        "next_token_agreement": agree,
+        "failed_layers": failed,
+        "pass": not failed,
+    }
 
 
 def format_table(report: dict) -> str:
-    lines = [f"a: {report['a']['setting']}  (GDN: {report['a']['backend']}, load {report['a']['load_s']:.1f}s, "
-             f"forward {report['a']['forward_s']:.2f}s)",
-             f"b: {report['b']['setting']}  (GDN: {report['b']['backend']}, load {report['b']['load_s']:.1f}s, "
-             f"forward {report['b']['forward_s']:.2f}s)",
-             f"target {report['target']}, {report['tokens']} tokens, seed {report['seed']}",
-             f"{'layer':>5}  {'cos mean':>10}  {'cos min':>10}  {'mean |a-b|':>11}  {'max |a-b|':>10}  "
-             f"{'rel L2':>9}  result"]
+    lines = [
+        f"a: {report['a']['setting']}  (GDN: {report['a']['backend']}, load {report['a']['load_s']:.1f}s, "
+        f"forward {report['a']['forward_s']:.2f}s)",
+        f"b: {report['b']['setting']}  (GDN: {report['b']['backend']}, load {report['b']['load_s']:.1f}s, "
+        f"forward {report['b']['forward_s']:.2f}s)",
+        f"target {report['target']}, {report['tokens']} tokens, seed {report['seed']}",
+        f"{'layer':>5}  {'cos mean':>10}  {'cos min':>10}  {'mean |a-b|':>11}  {'max |a-b|':>10}  "
+        f"{'rel L2':>9}  result",
+    ]
     for r in report["layers"]:
-        lines.append(f"{r['layer']:>5}  {r['cos_mean']:>10.6f}  {r['cos_min']:>10.6f}  {r['abs_mean']:>11.4e}  "
-                     f"{r['abs_max']:>10.4e}  {r['rel_l2']:>9.2e}  {'pass' if r['pass'] else 'FAIL'}")
+        lines.append(
+            f"{r['layer']:>5}  {r['cos_mean']:>10.6f}  {r['cos_min']:>10.6f}  {r['abs_mean']:>11.4e}  "
+            f"{r['abs_max']:>10.4e}  {r['rel_l2']:>9.2e}  {'pass' if r['pass'] else 'FAIL'}"
+        )
     lines.append(f"greedy next-token agreement: {report['next_token_agreement']:.4f}")
-    verdict = "PASS" if report["pass"] else f"FAIL: layers {report['failed_layers']} below cosine {report['threshold']}"
+    verdict = (
+        "PASS"
+        if report["pass"]
+        else f"FAIL: layers {report['failed_layers']} below cosine {report['threshold']}"
+    )
     lines.append(verdict)
     return "\n".join(lines)
 
 
 def _run_in_subprocess(args, setting: Setting, side: str, workdir: str) -> dict:
     path = os.path.join(workdir, f"{side}.pt")
-    cmd = [sys.executable, "-m", "dflash.tools.parity", "--worker", side, "--save", path,
-           "--a" if side == "a" else "--b", str(setting)] + _common_argv(args)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash.tools.parity",
+        "--worker",
+        side,
+        "--save",
+        path,
+        "--a" if side == "a" else "--b",
+        str(setting),
+    ] + _common_argv(args)
     proc = subprocess.run(cmd, env=os.environ.copy())
     if proc.returncode != 0 or not os.path.exists(path):
         raise RuntimeError(f"parity run {side} ({setting}) failed with exit code {proc.returncode}")
@@ -183,7 +231,16 @@ def _run_in_subprocess(args, setting: Setting, side: str, workdir: str) -> dict:
 
 
 def _common_argv(args) -> list[str]:
-    out = ["--target", args.target, "--tokens", str(args.tokens), "--seed", str(args.seed), "--init", args.init]
+    out = [
+        "--target",
+        args.target,
+        "--tokens",
+        str(args.tokens),
+        "--seed",
+        str(args.seed),
+        "--init",
+        args.init,
+    ]
     if args.layers:
         out += ["--layers", args.layers]
     if args.num_layers is not None:
@@ -205,9 +262,17 @@ def run_parity(args) -> dict:
         rb = capture_run(args, b, "b")
     report = compare(ra, rb, args.threshold)
     strip = lambda r: {k: v for k, v in r.items() if k not in ("aux", "next_token")}
-    report.update({"a": strip(ra), "b": strip(rb), "target": args.target, "tokens": args.tokens,
-                   "seed": args.seed, "separate_processes": separate,
-                   "perturb": ":".join(map(str, args.perturb)) if args.perturb else None})
+    report.update(
+        {
+            "a": strip(ra),
+            "b": strip(rb),
+            "target": args.target,
+            "tokens": args.tokens,
+            "seed": args.seed,
+            "separate_processes": separate,
+            "perturb": ":".join(map(str, args.perturb)) if args.perturb else None,
+        }
+    )
     return report
 
 
@@ -215,6 +280,7 @@ def _resolved_backend(s: Setting) -> str:
     if s.backend != "auto":
         return s.backend
     from ..target import _fla_importable
+
     return "fla" if s.device.startswith("cuda") and _fla_importable() else "torch"
 
 
@@ -224,24 +290,40 @@ def _perturb(spec: str):
         assert side in ("a", "b")
         return side, int(layer), float(scale)
     except (ValueError, AssertionError):
-        raise argparse.ArgumentTypeError(f"--perturb {spec!r}: expected a|b:LAYER:SCALE, e.g. b:3:0.5") from None
+        raise argparse.ArgumentTypeError(
+            f"--perturb {spec!r}: expected a|b:LAYER:SCALE, e.g. b:3:0.5"
+        ) from None
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dflash.tools.parity", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dflash.tools.parity",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--target", default="tiny_qwen3_5", help="conf/target yaml name or path")
-    p.add_argument("--a", default="torch:float32:cpu", help="BACKEND:DTYPE:DEVICE of run a (the reference)")
+    p.add_argument(
+        "--a", default="torch:float32:cpu", help="BACKEND:DTYPE:DEVICE of run a (the reference)"
+    )
     p.add_argument("--b", default="torch:float32:cpu", help="BACKEND:DTYPE:DEVICE of run b")
-    p.add_argument("--layers", default=None, help="comma-separated aux layer ids (default: 5 evenly spaced)")
+    p.add_argument(
+        "--layers", default=None, help="comma-separated aux layer ids (default: 5 evenly spaced)"
+    )
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threshold", type=float, default=0.99, help="minimum mean cosine per layer")
-    p.add_argument("--init", default="auto", help="DEVICE:DTYPE where random weights are initialised")
+    p.add_argument(
+        "--init", default="auto", help="DEVICE:DTYPE where random weights are initialised"
+    )
     p.add_argument("--num-layers", type=int, default=None, help="truncate a random-weight target")
-    p.add_argument("--perturb", type=_perturb, default=None, help="a|b:LAYER:SCALE planted noise (self-test)")
-    p.add_argument("--subprocess", action="store_true", help="run a and b in fresh processes even if "
-                   "their backends agree")
+    p.add_argument(
+        "--perturb", type=_perturb, default=None, help="a|b:LAYER:SCALE planted noise (self-test)"
+    )
+    p.add_argument(
+        "--subprocess",
+        action="store_true",
+        help="run a and b in fresh processes even if their backends agree",
+    )
     p.add_argument("--out", default=None, help="write the report as JSON")
     p.add_argument("--worker", choices=("a", "b"), help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
@@ -252,7 +334,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         if args.worker:
-            torch.save(capture_run(args, Setting.parse(getattr(args, args.worker)), args.worker), args.save)
+            torch.save(
+                capture_run(args, Setting.parse(getattr(args, args.worker)), args.worker), args.save
+            )
             return 0
         report = run_parity(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
