@@ -10,7 +10,7 @@ is token-for-token identical to AR, and prints tokens/s, tau and the speedup ove
 
 Drafters: `--ckpt PATH` (a serving-format drafter directory; the target's aux layers and mask
 token come from it), `random` (random weights: tau ~ 1, shows the pure overhead of drafting and
-verifying), `oracle` (dflash.specdec.OracleDrafter over the random drafter: the target's own
+verifying), `oracle` (dflash.testing.OracleDrafter over the random drafter: the target's own
 greedy tokens pushed in with a hashed pattern of hits, runner-ups and misses; an instrument to
 time the acceptance regime of a trained drafter, not a drafter). Prompts are random token ids.
 Exit status 1 if any output differs from AR.
@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.specdec import OracleDrafter, generate_ar, generate_chain, generate_tree  # noqa: E402
+from dflash.decoding import generate_ar, generate_chain, generate_tree
+from dflash.testing import OracleDrafter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,8 +38,9 @@ def load(name: str, args):
 
     from dflash.config import DrafterConfig, TargetConfig
     from dflash.drafter import DFlashDrafter
-    from dflash.target import linear_attn_report, load_target
-    from dflash.trainer import resolve_spec
+    from dflash.linear_attn import linear_attn_report
+    from dflash.spec import resolve_spec
+    from dflash.target import load_target
 
     raw = OmegaConf.to_container(
         OmegaConf.load(os.path.join(ROOT, "conf", "target", f"{name}.yaml")), resolve=True
@@ -53,22 +55,12 @@ def load(name: str, args):
         )
     else:
         target = load_target(tcfg, num_aux=args.num_aux)
-        mc = target.model.config
         dcfg = DrafterConfig(
             num_layers=args.drafter_layers,
             target_layer_ids=list(target.layer_ids),
             block_size=args.block_size,
         )
-        spec = resolve_spec(
-            dcfg,
-            target.num_layers,
-            target.hidden_size,
-            target.vocab_size,
-            int(mc.intermediate_size),
-            int(mc.num_attention_heads),
-            int(getattr(mc, "num_key_value_heads", 0) or 0),
-            target.mask_token_id,
-        )
+        spec = resolve_spec(dcfg, target.shape)
         drafter = DFlashDrafter(spec)
         drafter.init_weights(0.02, torch.Generator().manual_seed(0))
     drafter = drafter.to(target.device, torch.float32).eval()

@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--num-aux", type=int, default=5)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from dflash.target import linear_attn_report, load_target
+    from dflash.linear_attn import linear_attn_report
+    from dflash.target import load_target
 
     tcfg = load_target_yaml(args.target)
     tcfg.linear_attn_backend = args.backend

@@ -33,7 +33,9 @@ def main() -> None:
     from dflash.batch import TargetBatch
     from dflash.config import DrafterConfig, TrainConfig
     from dflash.drafter import DFlashDrafter, num_params
-    from dflash.trainer import DrafterTrainer, Heads, resolve_spec
+    from dflash.shape import Heads, TargetShape
+    from dflash.spec import resolve_spec
+    from dflash.trainer import DrafterTrainer
 
     H, V, L, dname = SHAPES[args.shape]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,9 +44,10 @@ def main() -> None:
         **OmegaConf.to_container(OmegaConf.load(f"{root}/conf/drafter/{dname}.yaml"))
     )
     heads_n = dcfg.num_attention_heads or 8
-    spec = resolve_spec(
-        dcfg, L, H, V, dcfg.intermediate_size or 17408 if H == 5120 else 256, heads_n, 8, V - 250
-    )
+    inter = dcfg.intermediate_size or 17408 if H == 5120 else 256
+    ids = tuple(dcfg.target_layer_ids or ())
+    shape = TargetShape(L, H, V, inter, heads_n, 8, torch.bfloat16, V - 250, ids)
+    spec = resolve_spec(dcfg, shape)
     drafter = DFlashDrafter(spec)
     drafter.init_weights(0.02)
     tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

@@ -10,8 +10,8 @@ from .checkpoint import load_drafter
 from .config import DataConfig, EvalConfig, RunConfig, TargetConfig
 from .evaluation import build_eval_set, evaluate
 from .report import print_report, write_json
+from .shape import Heads
 from .target import load_target
-from .trainer import Heads
 
 
 def run_config_of(ckpt: str) -> dict | None:
@@ -50,7 +50,8 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     user_set = {o.split("=")[0].lstrip("+") for o in overrides}
     if prev is not None:
         # the run's own target, data conventions (chat template, prompt source) and eval set,
-        # unless the command line names them (pitfall 6: eval prompts as training saw them)
+        # unless the command line names them: the drafter is judged on prompts formatted as
+        # it saw them in training
         restored = []
         for group, cls in (("target", TargetConfig), ("data", DataConfig), ("eval", EvalConfig)):
             if group in prev and not any(k == group or k.startswith(group + ".") for k in user_set):

@@ -13,64 +13,25 @@ import torch.distributed as dist
 from torch import nn
 
 from .batch import TargetBatch, add_input_noise
-from .blocks import block_labels, build_blocks, candidate_anchors, sample_anchors
-from .config import DrafterConfig, TrainConfig
+from .blocks import Blocks, block_labels, build_blocks, candidate_anchors, sample_anchors
+from .config import TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
 from .loss import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
-from .target import check_layer_ids, default_layer_ids, resolve_dtype
+from .shape import Heads
+from .target import resolve_dtype
 
 
 @dataclass
-class Heads:
-    """The target's frozen input embedding and LM head, shared by the drafter."""
+class Prepared:
+    """One micro-batch made ready for the drafter: blocks at sampled anchors and their labels.
 
-    embed: nn.Embedding
-    lm_head: nn.Linear
+    labels_NAK / label_valid_NAK: the target's next token at block positions 1..B-1 and whether
+    it is a real label; weights_NAK: position weight x validity (the loss denominator)."""
 
-
-def resolve_spec(
-    dcfg: DrafterConfig,
-    num_target_layers: int,
-    hidden_size: int,
-    vocab_size: int,
-    intermediate_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    mask_token_id: int,
-) -> DrafterSpec:
-    ids = dcfg.target_layer_ids
-    ids = check_layer_ids(
-        ids if ids is not None else default_layer_ids(num_target_layers, dcfg.num_aux_layers),
-        num_target_layers,
-    )
-    if dcfg.hidden_size is not None and dcfg.hidden_size != hidden_size:
-        raise ValueError(
-            f"drafter.hidden_size={dcfg.hidden_size} but the target's hidden size is "
-            f"{hidden_size}; the drafter shares the target's embedding and lm_head, so they "
-            "must match (leave drafter.hidden_size=null to copy it)"
-        )
-    if not 0 <= mask_token_id < vocab_size:
-        raise ValueError(f"mask token id {mask_token_id} is not < vocab size {vocab_size}")
-    heads = dcfg.num_attention_heads or num_heads
-    head_dim = dcfg.head_dim or hidden_size // heads
-    return DrafterSpec(
-        hidden_size=hidden_size,
-        intermediate_size=dcfg.intermediate_size or intermediate_size,
-        num_hidden_layers=dcfg.num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=dcfg.num_key_value_heads or num_kv_heads or heads,
-        head_dim=head_dim,
-        vocab_size=vocab_size,
-        block_size=dcfg.block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=ids,
-        num_target_layers=num_target_layers,
-        layer_types=list(dcfg.layer_types or ["full_attention"] * dcfg.num_layers),
-        sliding_window=dcfg.sliding_window,
-        rms_norm_eps=dcfg.rms_norm_eps,
-        rope_theta=dcfg.rope_theta,
-        max_position_embeddings=dcfg.max_position_embeddings,
-    )
+    blocks: Blocks
+    labels_NAK: torch.Tensor
+    label_valid_NAK: torch.Tensor
+    weights_NAK: torch.Tensor
 
 
 compute_dtype = resolve_dtype  # same rule for the target's and the drafter's compute dtype
@@ -104,7 +65,8 @@ class DrafterTrainer:
         self.dtype = compute_dtype(cfg.dtype, device)
         if self.dtype == torch.float16:
             raise ValueError(
-                "train.dtype=float16 overflows in fc (pitfall 7); use bfloat16 or float32"
+                "train.dtype=float16 overflows in the drafter's fc layer (its input concatenates "
+                "several target layers' hidden states); use bfloat16 or float32"
             )
         # fused: one kernel for the whole update on CUDA (the 27B drafter has 1.7B fp32 params)
         self.opt = torch.optim.AdamW(
@@ -122,12 +84,13 @@ class DrafterTrainer:
         self.step = 0
 
     # ------------------------------------------------------------------ pieces
-    def prepare(self, tb: TargetBatch, step: int):
+    def prepare(self, tb: TargetBatch, step: int) -> Prepared:
         """Anchors, blocks and labels; labels come from the clean forward (before any noise)."""
         if tb.noised:
             raise ValueError(
                 "labels must be derived from the clean target forward, before input "
-                "noise (pitfall 1); this batch was already noised"
+                "noise (noised inputs would teach the drafter labels the target never "
+                "produces); this batch was already noised"
             )
         cand = candidate_anchors(tb.segment_ids_NT, tb.loss_mask_NT)
         seeds = [row_seed(self.cfg.seed, step, int(k)) for k in tb.row_seeds]
@@ -151,16 +114,16 @@ class DrafterTrainer:
             self.spec.layer_types,
             self.spec.sliding_window,
         )
-        weights = self.weights_k[None, None, :] * lvalid
-        return blocks, labels, lvalid, weights
+        return Prepared(blocks, labels, lvalid, self.weights_k[None, None, :] * lvalid)
 
     def autocast(self):
         if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def forward_sums(self, tb: TargetBatch, prepared, model: nn.Module | None = None):
-        blocks, labels, lvalid, weights = prepared
+    def forward_sums(self, tb: TargetBatch, prepared: Prepared, model: nn.Module | None = None):
+        blocks, labels, lvalid = prepared.blocks, prepared.labels_NAK, prepared.label_valid_NAK
+        weights = prepared.weights_NAK
         model = model or self.model
         N, A = blocks.anchors_NA.shape
         B = self.spec.block_size
@@ -211,7 +174,7 @@ class DrafterTrainer:
         step = self.step
         self.model.train()
         prepared = [self.prepare(tb.to(self.device), step) for tb in micro]
-        w_sum = self._all_reduce(torch.stack([p[3].sum() for p in prepared]).sum().float())
+        w_sum = self._all_reduce(torch.stack([p.weights_NAK.sum() for p in prepared]).sum().float())
         denom = w_sum.clamp(min=1e-8)
         loss_total = torch.zeros((), device=self.device)
         correct_total = torch.zeros((), device=self.device)
@@ -242,7 +205,10 @@ class DrafterTrainer:
                     loss_total,
                     correct_total,
                     torch.tensor(float(sum(tb.num_tokens for tb in micro)), device=self.device),
-                    torch.tensor(float(sum(int(p[2].sum()) for p in prepared)), device=self.device),
+                    torch.tensor(
+                        float(sum(int(p.label_valid_NAK.sum()) for p in prepared)),
+                        device=self.device,
+                    ),
                 ]
             )
         )

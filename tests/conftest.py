@@ -46,7 +46,7 @@ def make_drafter(
 ):
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
-    from dflash.trainer import resolve_spec
+    from dflash.spec import resolve_spec
 
     dcfg = DrafterConfig(
         num_layers=len(layer_types),
@@ -59,17 +59,7 @@ def make_drafter(
         head_dim=16,
         intermediate_size=64,
     )
-    mc = target.model.config
-    spec = resolve_spec(
-        dcfg,
-        target.num_layers,
-        target.hidden_size,
-        target.vocab_size,
-        mc.intermediate_size,
-        mc.num_attention_heads,
-        mc.num_key_value_heads,
-        target.mask_token_id,
-    )
+    spec = resolve_spec(dcfg, target.shape)
     d = DFlashDrafter(spec)
     d.init_weights(std, torch.Generator().manual_seed(seed))
     return d

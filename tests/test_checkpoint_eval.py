@@ -11,7 +11,7 @@ from conftest import ROOT, make_drafter
 
 from dflash.checkpoint import load_drafter, save_checkpoint, save_drafter
 from dflash.evaluation import EvalItem, draft_all_anchors
-from dflash.trainer import Heads
+from dflash.shape import Heads
 
 EXPECTED_LAYER_KEYS = {
     "self_attn.q_proj.weight",

@@ -35,19 +35,19 @@ def _compose(overrides):
 
 @pytest.mark.parametrize("exp", EXPS)
 def test_every_experiment_composes_and_builds(exp, tmp_path):
-    from dflash.runner import build_drafter, build_target
+    from dflash.build import build_drafter, build_target
 
     cfg = _compose([f"+exp={exp}"])
     assert cfg.exp_name == exp
     rc = typed(_compose([f"+exp={exp}", *TINY, f"out_root={tmp_path}"]))
     target = build_target(rc)
-    drafter = build_drafter(rc, target)
+    drafter = build_drafter(rc, target.shape)
     assert drafter.spec.target_layer_ids == target.layer_ids
     assert target.num_layers - 1 not in drafter.spec.target_layer_ids
 
 
 def test_v5_recipe_on_tiny_target(tmp_path):
-    from dflash.runner import run_training
+    from dflash.colocated import run_colocated as run_training
 
     rc = typed(
         _compose(
@@ -135,7 +135,7 @@ def test_aux_layer_guardrails(ids, match):
 
 
 def test_final_layer_refused_when_building(tmp_path):
-    from dflash.runner import build_target
+    from dflash.build import build_target
 
     rc = typed(_compose(TINY + ["drafter.target_layer_ids=[1,4,7]", f"out_root={tmp_path}"]))
     with pytest.raises(ValueError, match="final layer"):
@@ -143,14 +143,16 @@ def test_final_layer_refused_when_building(tmp_path):
 
 
 def test_mask_token_and_hidden_guardrails():
-    from dflash.trainer import resolve_spec
+    from dflash.shape import TargetShape
+    from dflash.spec import resolve_spec
+
+    def shape(mask_token_id):
+        return TargetShape(8, 128, 512, 256, 4, 2, torch.float32, mask_token_id, (1,))
 
     with pytest.raises(ValueError, match="mask token"):
-        resolve_spec(DrafterConfig(target_layer_ids=[1]), 8, 128, 512, 256, 4, 2, mask_token_id=512)
+        resolve_spec(DrafterConfig(target_layer_ids=[1]), shape(mask_token_id=512))
     with pytest.raises(ValueError, match="hidden size"):
-        resolve_spec(
-            DrafterConfig(target_layer_ids=[1], hidden_size=64), 8, 128, 512, 256, 4, 2, 511
-        )
+        resolve_spec(DrafterConfig(target_layer_ids=[1], hidden_size=64), shape(511))
     from dflash.target import resolve_mask_token_id
 
     class Tok:
@@ -164,9 +166,10 @@ def test_fp16_refused(tiny_qwen):
     from conftest import make_drafter
 
     from dflash.config import TrainConfig
-    from dflash.trainer import DrafterTrainer, Heads
+    from dflash.shape import Heads
+    from dflash.trainer import DrafterTrainer
 
-    with pytest.raises(ValueError, match="pitfall 7"):
+    with pytest.raises(ValueError, match="float16 overflows"):
         DrafterTrainer(
             make_drafter(tiny_qwen),
             Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head),

@@ -8,6 +8,7 @@ from conftest import make_drafter
 
 from dflash.blocks import block_attention_mask, build_blocks, candidate_anchors
 from dflash.drafter import DFlashDrafter
+from dflash.shape import TargetShape
 
 torch.manual_seed(0)
 
@@ -98,11 +99,7 @@ def test_forward_matches_reference(window):
 def _drafter(window=64, block_size=4):
     class T:  # minimal stand-in carrying what make_drafter reads
         layer_ids = [1, 3, 5]
-        num_layers, hidden_size, vocab_size, mask_token_id = 8, 128, 512, 511
-
-        class model:
-            class config:
-                intermediate_size, num_attention_heads, num_key_value_heads = 256, 4, 2
+        shape = TargetShape(8, 128, 512, 256, 4, 2, torch.float32, 511, (1, 3, 5))
 
     return make_drafter(T, block_size=block_size, window=window)
 

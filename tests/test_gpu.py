@@ -27,7 +27,8 @@ def test_backend_is_fla_on_cuda(qwen_cuda_fp32):
 
 
 def test_specdec_identical_to_greedy_on_fla(qwen_cuda_fp32):
-    from dflash.specdec import OracleDrafter, generate_ar, generate_chain, generate_tree
+    from dflash.decoding import generate_ar, generate_chain, generate_tree
+    from dflash.testing import OracleDrafter
 
     t = qwen_cuda_fp32
     base = make_drafter(t, block_size=8).to("cuda")

@@ -1,7 +1,8 @@
-"""The online pipeline (dflash.pipeline / dflash.dist) on CPU with gloo.
+"""The split run (dflash.split, dflash.comm) and the colocated data-parallel run on CPU with gloo.
 
 Multi-process tests start `python train.py` once per rank with the environment torchrun would
-set (dflash.dist.launch_local), so the whole product path runs: Hydra, the run dir shared via
+set (dflash.testing.launch_local, through `python -m dflash.testing`, which installs the
+stream instruments: batch dumps and fault injection), so the whole product path runs: Hydra, the run dir shared via
 DFLASH_RUN_ID, process groups, the worker -> trainer stream. Tiny random targets, few steps.
 """
 
@@ -22,11 +23,14 @@ import pytest  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from dflash.batch import Sample, TargetBatch, collate  # noqa: E402
+from dflash.build import BadBatchError, screen_batch  # noqa: E402
+from dflash.comm import decode_header, encode_header  # noqa: E402
 from dflash.config import RunConfig, TopologyConfig  # noqa: E402
-from dflash.data import SampleStream  # noqa: E402
-from dflash.dist import decode_header, encode_header, launch_local  # noqa: E402
-from dflash.pipeline import Roles, Schedule, pack_batch, read_head_weights, unpack_batch  # noqa: E402
-from dflash.runner import BadBatchError, screen_batch  # noqa: E402
+from dflash.split.heads import read_head_weights  # noqa: E402
+from dflash.split.schedule import Roles, Schedule  # noqa: E402
+from dflash.split.wire import pack_batch, unpack_batch  # noqa: E402
+from dflash.stream import SampleStream  # noqa: E402
+from dflash.testing import launch_local  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {"OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1", "PYTHONUNBUFFERED": "1"}
@@ -92,6 +96,8 @@ def run_job(
     run_name = f"{name}-{uuid.uuid4().hex[:6]}"
     argv = [
         sys.executable,
+        "-m",
+        "dflash.testing",
         "train.py",
         *BASE,
         f"out_root={out_root}",
@@ -298,7 +304,7 @@ class FakeWork:
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_wait_for_deadline_names_the_peer(backend):
-    from dflash.dist import PeerError, wait_for
+    from dflash.comm import PeerError, wait_for
 
     wait_for(FakeWork(0.02), time.monotonic() + 1, backend, "worker rank 3", "send x", 1)
     t0 = time.monotonic()
@@ -320,7 +326,7 @@ def test_wait_for_deadline_names_the_peer(backend):
 
 def test_outbox_keeps_at_most_window_in_flight(monkeypatch):
     """isend never blocks; the (window+1)-th message first waits for the oldest one."""
-    from dflash import dist as ddist
+    from dflash import comm as ddist
 
     sent = []
 

@@ -1,5 +1,5 @@
-"""Real speculative decoding (dflash.specdec): identity with greedy decoding, agreement with the
-offline simulation, and the hybrid-cache rollback (pitfall 8)."""
+"""Real speculative decoding (dflash.decoding): identity with greedy decoding, agreement with the
+offline simulation, and the hybrid-cache rollback."""
 
 import math
 
@@ -7,19 +7,12 @@ import pytest
 import torch
 from conftest import get_target, make_drafter
 
+from dflash.decoding import generate_ar, generate_chain, generate_tree, new_cache
+from dflash.decoding.cache import crop_attention, restore_linear_state, snapshot_linear_state
 from dflash.evaluation import consistent_greedy, draft_all_anchors, evaluate
 from dflash.metrics import summarize
-from dflash.specdec import (
-    OracleDrafter,
-    crop_attention,
-    generate_ar,
-    generate_chain,
-    generate_tree,
-    new_cache,
-    restore_linear_state,
-    snapshot_linear_state,
-)
-from dflash.trainer import Heads
+from dflash.shape import Heads
+from dflash.testing import CropRollback, OracleDrafter
 
 torch.set_num_threads(1)
 
@@ -255,7 +248,7 @@ def test_crop_alone_is_wrong_on_hybrid():
             ar = generate_ar(target, p, 32)
             assert generate_chain(target, drafter, p, 32).tokens == ar.tokens
             crop_ok.append(
-                generate_chain(target, drafter, p, 32, rollback="crop").tokens == ar.tokens
+                generate_chain(target, drafter, p, 32, rollback=CropRollback()).tokens == ar.tokens
             )
         assert all(crop_ok) == (name == "tiny_llama"), (name, crop_ok)
 
@@ -267,17 +260,12 @@ def test_tree_verify_equals_sequential(name):
     positions; hybrid: the batch of root-to-leaf chains) equal those of a sequential forward of
     its path, and after commit the cache equals a fresh prefill of prompt + accepted path."""
     from dflash.ddtree import build_ddtree
-    from dflash.specdec import (
-        _root_to_leaf_paths,
-        _TargetRunner,
-        _tree_forward,
-        expand_cache,
-        gather_attention,
-        is_hybrid_cache,
-    )
+    from dflash.decoding.cache import expand_cache, gather_attention, is_hybrid_cache
+    from dflash.decoding.steps import TargetRunner
+    from dflash.decoding.tree import root_to_leaf_paths, tree_forward
 
     target = get_target(name)
-    run = _TargetRunner(target)
+    run = TargetRunner(target)
     prompt = _prompts(1, seed=5)[0]
     P = len(prompt)
     g = torch.Generator().manual_seed(0)
@@ -290,7 +278,7 @@ def test_tree_verify_equals_sequential(name):
     cache = new_cache(target.model)
     run(torch.tensor([prompt]), torch.arange(P)[None], cache, last_only=True)
     node_path = {}  # node index -> its root path (node indices)
-    for leaf_path in _root_to_leaf_paths(tree):
+    for leaf_path in root_to_leaf_paths(tree):
         for j in range(len(leaf_path)):
             node_path[leaf_path[j]] = leaf_path[: j + 1]
 
@@ -300,7 +288,7 @@ def test_tree_verify_equals_sequential(name):
         return aux[0, P:]
 
     if not is_hybrid_cache(cache):
-        _, aux = _tree_forward(run, cache, tree, bonus, P)
+        _, aux = tree_forward(run, cache, tree, bonus, P)
         for i, nodes in node_path.items():
             ref = seq_aux(nodes)
             got = aux[0, [0] + [1 + n for n in nodes]]
@@ -319,7 +307,7 @@ def test_tree_verify_equals_sequential(name):
             assert a.keys.shape == b.keys.shape and torch.allclose(a.keys, b.keys, atol=1e-5)
             assert torch.allclose(a.values, b.values, atol=1e-5)
     else:
-        leaves = _root_to_leaf_paths(tree)
+        leaves = root_to_leaf_paths(tree)
         L = 1 + max(len(p) for p in leaves)
         rows = torch.full((len(leaves), L), bonus, dtype=torch.long)
         for r, p in enumerate(leaves):

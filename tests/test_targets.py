@@ -11,15 +11,13 @@ import pytest
 import torch
 from conftest import ROOT, get_target
 
-from dflash.target import (
+from dflash.linear_attn import (
     check_bound_backend,
     linear_attn_kind,
     linear_attn_report,
-    load_conf,
-    resolve_mask_token_id,
     select_linear_attn_backend,
-    target_config_from_yaml,
 )
+from dflash.target import load_conf, resolve_mask_token_id, target_config_from_yaml
 
 CPU = torch.device("cpu")
 
@@ -135,7 +133,7 @@ def test_report_reads_fla_binding_and_refuses_a_late_switch(tmp_path):
         """
         import json, torch
         import transformers.models.qwen3_5.modeling_qwen3_5 as m
-        from dflash.target import linear_attn_report, linear_attn_kind, select_linear_attn_backend
+        from dflash.linear_attn import linear_attn_report, linear_attn_kind, select_linear_attn_backend
         r = linear_attn_report()
         try:
             select_linear_attn_backend("torch", torch.device("cpu"))
@@ -164,7 +162,8 @@ def test_torch_selection_hides_an_already_imported_fla(tmp_path):
         """
         import json, sys, torch
         import fla
-        from dflash.target import linear_attn_report, linear_attn_kind, load_target, target_config_from_yaml
+        from dflash.linear_attn import linear_attn_report, linear_attn_kind
+        from dflash.target import load_target, target_config_from_yaml
         t = load_target(target_config_from_yaml("tiny_qwen3_5", linear_attn_backend="torch"), num_aux=1)
         x = t.capture(torch.randint(0, 512, (1, 12)))  # the fake kernels would raise
         print(json.dumps({"kind": linear_attn_kind(linear_attn_report()), "backend": t.backend,

@@ -9,7 +9,8 @@ from conftest import make_drafter
 from dflash.batch import Sample, add_input_noise, collate, target_forward
 from dflash.config import TrainConfig
 from dflash.loss import position_weights, weighted_ce_sum
-from dflash.trainer import DrafterTrainer, Heads
+from dflash.shape import Heads
+from dflash.trainer import DrafterTrainer
 
 
 def _samples(target, n=4, L=20, P=6, seed=0):
@@ -33,7 +34,7 @@ def _trainer(target, drafter, **over):
 def _grads(trainer, micro):
     trainer.opt.zero_grad(set_to_none=True)
     prepared = [trainer.prepare(tb, 0) for tb in micro]
-    denom = sum(p[3].sum() for p in prepared)
+    denom = sum(p.weights_NAK.sum() for p in prepared)
     for tb, p in zip(micro, prepared):
         (trainer.forward_sums(tb, p)[0] / denom).backward()
     return {k: v.grad.clone() for k, v in trainer.drafter.named_parameters()}
@@ -82,7 +83,8 @@ def test_noise_never_touches_labels(tiny_qwen):
     with pytest.raises(ValueError, match="clean target forward"):
         tr.prepare(noisy, 0)
     # labels are the clean target's greedy tokens: next_token[a+k-1]
-    _, labels, valid, _ = tr.prepare(tb, 0)
+    prep = tr.prepare(tb, 0)
+    valid = prep.label_valid_NAK
     assert valid.any()
     clean = tiny_qwen.model(tb.input_ids_NT[:1, : s[0].input_ids.numel()]).logits.argmax(-1)
     assert torch.equal(tb.next_token_NT[0, : clean.shape[1]], clean[0])
@@ -138,7 +140,7 @@ def _run_cfg(tmp_path, steps, resume=None, **train):
 
 def test_resume_equals_uninterrupted(tmp_path):
     from dflash.checkpoint import load_drafter
-    from dflash.runner import run_training
+    from dflash.colocated import run_colocated as run_training
 
     full = _run_cfg(tmp_path, 6)
     run_training(full, str(tmp_path / "full"))

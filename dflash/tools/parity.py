@@ -60,14 +60,12 @@ class Setting:
 def capture_run(args, setting: Setting, side: str) -> dict:
     """Load the target under `setting`, run the fixed token ids, return per-layer aux states
     (float32, CPU), the greedy tokens and what ran."""
+    from ..linear_attn import check_bound_backend, linear_attn_report, select_linear_attn_backend
     from ..target import (
         Target,
         TargetConfig,
-        check_bound_backend,
-        linear_attn_report,
         load_hf_model,
         resolve_dtype,
-        select_linear_attn_backend,
         target_config_from_yaml,
     )
 
@@ -279,7 +277,7 @@ def run_parity(args) -> dict:
 def _resolved_backend(s: Setting) -> str:
     if s.backend != "auto":
         return s.backend
-    from ..target import _fla_importable
+    from ..linear_attn import _fla_importable
 
     return "fla" if s.device.startswith("cuda") and _fla_importable() else "torch"
 

@@ -1,5 +1,6 @@
 """Process plumbing for multi-process runs: the rank context from the launcher's environment,
-process groups, point-to-point tensor messages with deadlines, and a local launcher.
+process groups, point-to-point tensor messages with deadlines. (Named `comm`, not `dist`, so it
+reads apart from `torch.distributed as dist`.)
 
 Nothing here knows about models or batches: a message is (meta: list[int], tensors). It goes
 as a fixed-size int64 header (meta, then dtype and shape of each tensor) followed by one
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections import deque
@@ -40,6 +39,7 @@ _DTYPES = (
     torch.uint8,
 )
 BACKENDS = ("auto", "nccl", "gloo")
+EXIT_PIPELINE = 3  # exit status of a rank whose peer died or hung, or on_bad_batch=stop
 
 
 class PeerError(RuntimeError):
@@ -65,6 +65,9 @@ class RankContext:
     timeout_s: float
     startup_timeout_s: float
     ctrl: Any = None  # gloo group over all ranks: startup barriers and small object broadcasts
+    # The first PeerError a receiver thread of this process saw: the launcher reports it as the
+    # root cause when the main thread fails later in a collective with a peer that stopped.
+    root_cause: PeerError | None = None
 
     @property
     def world_group(self):
@@ -85,7 +88,7 @@ class RankContext:
 
 
 def launcher_env() -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun / accelerate launch / launch_local set them."""
+    """(rank, world size, local rank) as torchrun / accelerate launch set them."""
     return (
         int(os.environ.get("RANK", "0")),
         int(os.environ.get("WORLD_SIZE", "1")),
@@ -257,62 +260,3 @@ def recv_message(
     for w in works:
         wait_for(w, deadline, backend, peer, f"send {label}", timeout_s)
     return meta, tensors
-
-
-# ----------------------------------------------------------------------------- local launcher
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch_local(
-    argv: Sequence[str],
-    nproc: int,
-    env: dict | None = None,
-    cwd: str | None = None,
-    log_dir: str | None = None,
-    run_id: str | None = None,
-) -> list[subprocess.Popen]:
-    """Start `nproc` copies of `argv` with the environment torchrun would give them (one node,
-    TCP rendezvous on 127.0.0.1). Tests and benchmarks use it to control the processes
-    directly (torchrun would tear the job down on the first failure before we can observe it).
-    Output of rank r goes to log_dir/rank{r}.{out,err} when log_dir is given."""
-    port = free_port()
-    procs = []
-    for r in range(nproc):
-        e = dict(os.environ, **(env or {}))
-        e.update(
-            RANK=str(r),
-            WORLD_SIZE=str(nproc),
-            LOCAL_RANK=str(r),
-            LOCAL_WORLD_SIZE=str(nproc),
-            GROUP_RANK="0",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        if run_id:
-            e["DFLASH_RUN_ID"] = run_id
-        out = err = None
-        if log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            out = open(os.path.join(log_dir, f"rank{r}.out"), "w")
-            err = open(os.path.join(log_dir, f"rank{r}.err"), "w")
-        procs.append(subprocess.Popen(list(argv), env=e, cwd=cwd, stdout=out, stderr=err))
-    return procs
-
-
-def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """Exit codes (None = still running at the deadline; those are killed)."""
-    deadline = time.monotonic() + timeout_s
-    codes: list[int | None] = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.01)))
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-    for p, c in zip(procs, codes):
-        if c is None:
-            p.kill()
-            p.wait()
-    return codes

@@ -1,0 +1,197 @@
+"""Builders both runs (colocated and split) call: target, drafter, batches, the dataset of a
+rank, resume and the run config file. Nothing here knows which run called it."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+from .batch import TargetBatch, collate, target_forward
+from .checkpoint import find_checkpoint, latest_run_checkpoint, load_checkpoint, load_drafter
+from .comm import RankContext
+from .config import RunConfig
+from .data import load_or_build_dataset
+from .drafter import DFlashDrafter
+from .shape import TargetShape
+from .spec import resolve_spec
+from .stream import SampleStream
+from .target import Target, load_target
+
+
+def build_target(cfg: RunConfig, device: torch.device | None = None) -> Target:
+    """`device` (multi-process runs: this rank's device) overrides target.device for loading only;
+    cfg itself is unchanged, so cache keys derived from it agree across ranks."""
+    tcfg = cfg.target if device is None else dataclasses.replace(cfg.target, device=str(device))
+    return load_target(
+        tcfg, cfg.drafter.target_layer_ids, cfg.drafter.num_aux_layers, cfg.drafter.mask_token_id
+    )
+
+
+def build_drafter(cfg: RunConfig, shape: TargetShape) -> DFlashDrafter:
+    spec = resolve_spec(cfg.drafter, shape)
+    if tuple(spec.target_layer_ids) != shape.layer_ids:
+        raise AssertionError("target and drafter disagree on aux layers")
+    if cfg.drafter.init_from:
+        drafter, _ = load_drafter(cfg.drafter.init_from)
+        if drafter.spec.as_dict() != spec.as_dict():
+            raise ValueError(
+                f"drafter.init_from={cfg.drafter.init_from}: its config differs from drafter.*"
+            )
+        return drafter
+    drafter = DFlashDrafter(spec)
+    drafter.init_weights(cfg.drafter.init_std, torch.Generator().manual_seed(cfg.train.seed))
+    return drafter
+
+
+def make_batch(target: Target, samples: list, idx: list[int], cfg: RunConfig) -> TargetBatch:
+    """The clean target forward over samples[idx]: the same in colocated and split mode."""
+    batch = collate(
+        [samples[i] for i in idx], pad_id=target.mask_token_id, pack_to=cfg.data.pack_to
+    ).to(target.device)
+    return target_forward(target, batch, with_final_hidden=cfg.train.loss == "soft_kl")
+
+
+class BadBatchError(ValueError):
+    pass
+
+
+def screen_batch(tb: TargetBatch, on_bad: str, origin: str = "") -> tuple[TargetBatch, list[int]]:
+    """Non-finite aux (or final hidden) states: report the sample ids, then either stop
+    (BadBatchError) or skip those samples. Skipping zeroes their aux states and loss mask
+    instead of dropping rows, so every rank still runs the same forward/backward (DDP) and the
+    other samples of the batch train unchanged (segments never attend to each other)."""
+    bad_NT = ~torch.isfinite(tb.aux_NTF).all(-1)
+    if tb.final_hidden_NTH is not None:
+        bad_NT |= ~torch.isfinite(tb.final_hidden_NTH).all(-1)
+    bad_NT &= tb.segment_ids_NT >= 0
+    if not bool(bad_NT.any()):
+        return tb, []
+    segs = tb.segment_ids_NT[bad_NT].unique()
+    ids = [int(i) for i in tb.sample_ids.to(segs.device)[segs].tolist()]
+    where = f" ({origin})" if origin else ""
+    if on_bad == "stop":
+        raise BadBatchError(
+            f"non-finite target aux states in samples {ids}{where}; "
+            "topology.on_bad_batch=stop (set it to skip to train on without them)"
+        )
+    drop_NT = torch.isin(tb.segment_ids_NT, segs)
+    aux = tb.aux_NTF.masked_fill(drop_NT[..., None], 0)
+    fh = tb.final_hidden_NTH
+    if fh is not None:
+        fh = fh.masked_fill(drop_NT[..., None], 0)
+    print(
+        f"warning: skipped samples {ids}{where}: non-finite target aux states "
+        "(topology.on_bad_batch=skip)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return dataclasses.replace(
+        tb, aux_NTF=aux, final_hidden_NTH=fh, loss_mask_NT=tb.loss_mask_NT & ~drop_NT
+    ), ids
+
+
+# ----------------------------------------------------------------------------- dataset per rank
+def samples_digest(samples: list) -> str:
+    """Cheap identity of a dataset (ids, lengths, token sums) to check ranks agree on it."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(
+            f"{s.sample_id},{s.input_ids.numel()},{int(s.input_ids.sum())},{int(s.loss_mask.sum())};".encode()
+        )
+    return h.hexdigest()[:16]
+
+
+def check_same_samples(samples: list, digest: str, rank: int) -> None:
+    if samples_digest(samples) != digest:
+        raise ValueError(
+            f"rank {rank} read a different dataset than rank 0 (digest "
+            f"{samples_digest(samples)} vs {digest}): every rank must see the same "
+            "data.cache_dir (a shared filesystem, or copy the cache to every node)"
+        )
+
+
+def data_cache(cfg: RunConfig, run_dir: str) -> str:
+    return cfg.data.cache_dir or os.path.join(run_dir, "data")
+
+
+def dataset_for_rank(
+    cfg: RunConfig, target: Target, run_dir: str, log, ctx: RankContext | None = None
+) -> list:
+    """Rank 0 loads or regenerates the data; the other ranks read rank 0's cache afterwards and
+    check they got the same samples."""
+    cache = data_cache(cfg, run_dir)
+    if ctx is None or ctx.world == 1:
+        return load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log)
+    if ctx.rank == 0:
+        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log)
+        ctx.broadcast_object(samples_digest(samples), src=0)
+        return samples
+    digest = ctx.broadcast_object(None, src=0)
+    samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=lambda *_: None)
+    check_same_samples(samples, digest, ctx.rank)
+    return samples
+
+
+# ----------------------------------------------------------------------------- resume, run config
+def resume_path(cfg: RunConfig, run_dir: str) -> str | None:
+    r = cfg.resume
+    if r is None or str(r).lower() in ("false", "none", "null", ""):
+        return None
+    if str(r).lower() == "true":
+        return latest_run_checkpoint(cfg.out_root, cfg.exp_name, exclude=run_dir)
+    return str(r)
+
+
+def resume_from(ckpt: str, trainer, stream: SampleStream, logger) -> None:
+    """Weights (fp32 master), optimizer, scheduler, step, RNG and the stream position."""
+    state = load_checkpoint(ckpt, trainer.drafter)
+    trainer.load_state_dict(state["trainer"])
+    stream.load_state_dict(state["source"]["stream"])
+    logger.info(
+        f"resumed from {state['path']} at step {trainer.step} (sample position {stream.position})"
+    )
+
+
+def resume(
+    cfg: RunConfig,
+    run_dir: str,
+    trainer,
+    stream: SampleStream,
+    logger,
+    ctx: RankContext | None = None,
+    src: int = 0,
+) -> dict:
+    """Rank `src` (the first trainer) resolves and loads the checkpoint, then announces
+    {ckpt, step, position} to every rank of the job: the other trainers load the same one, split
+    workers start producing at exactly that stream position. Returns the announcement."""
+    start = None
+    if ctx is None or ctx.rank == src:
+        ckpt = resume_path(cfg, run_dir)
+        ckpt = find_checkpoint(ckpt) if ckpt else None  # a run dir -> its latest step
+        if ckpt:
+            resume_from(ckpt, trainer, stream, logger)
+        start = {"ckpt": ckpt, "step": trainer.step, "position": stream.position}
+    if ctx is None or ctx.world == 1:
+        return start
+    start = ctx.broadcast_object(start, src=src)
+    if ctx.rank != src and start["ckpt"]:
+        resume_from(start["ckpt"], trainer, stream, logger)
+        if (trainer.step, stream.position) != (start["step"], start["position"]):
+            raise ValueError(
+                f"trainer rank {ctx.rank} resumed at step {trainer.step}, position "
+                f"{stream.position}; trainer rank {src} at {start}"
+            )
+    return start
+
+
+def write_run_config(cfg: RunConfig, run_dir: str) -> None:
+    path = os.path.join(run_dir, "run_config.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
+    os.replace(tmp, path)

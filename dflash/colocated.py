@@ -1,0 +1,103 @@
+"""The colocated run: every rank runs target + drafter on its device (one process, or data
+parallel over all ranks of a torch.distributed job)."""
+
+from __future__ import annotations
+
+import torch
+
+from .build import (
+    build_target,
+    dataset_for_rank,
+    make_batch,
+    resume,
+    screen_batch,
+    write_run_config,
+)
+from .comm import RankContext
+from .config import RunConfig
+from .linear_attn import linear_attn_report
+from .loggers import Logger
+from .loop import train_loop
+from .session import open_session
+from .stream import SampleStream
+from .target import Target
+
+
+class LocalBatchSource:
+    """This process runs the target on its share of the sample stream."""
+
+    def __init__(
+        self, target: Target, samples: list, cfg: RunConfig, dp_rank: int = 0, dp_world: int = 1
+    ):
+        self.target, self.samples, self.cfg = target, samples, cfg
+        self.stream = SampleStream(len(samples), cfg.data.seed)
+        self.dp_rank, self.dp_world = dp_rank, dp_world
+        self.bad_samples: list[int] = []
+
+    def next_batches(self) -> list:
+        mb, out = self.cfg.train.micro_batch_size, []
+        for _ in range(self.cfg.train.grad_accum):
+            idx = self.stream.take(mb * self.dp_world)[self.dp_rank * mb : (self.dp_rank + 1) * mb]
+            tb, bad = screen_batch(
+                make_batch(self.target, self.samples, idx, self.cfg), self.cfg.topology.on_bad_batch
+            )
+            self.bad_samples += bad
+            out.append(tb)
+        return out
+
+    def step_metrics(self, target_s: float, drafter_s: float) -> dict:
+        # target vs drafter time per step = target GPUs per drafter GPU in a split run
+        return {
+            "pipe/suggested_workers_per_trainer": target_s / max(drafter_s, 1e-9),
+            "pipe/bad_samples": float(len(self.bad_samples)),
+        }
+
+    def interval_metrics(self) -> dict:
+        return {}
+
+    def state_dict(self) -> dict:
+        return {"stream": self.stream.state_dict()}
+
+
+def run_colocated(
+    cfg: RunConfig,
+    run_dir: str,
+    logger: Logger | None = None,
+    stop_at: int | None = None,
+    ctx: RankContext | None = None,
+) -> dict:
+    """stop_at: end after that step as if interrupted (tests of resume). ctx makes it data
+    parallel over all ranks: each rank runs target + drafter on its device and its slice of
+    every micro-batch; rank 0 writes metrics, evaluations and checkpoints."""
+    writer = ctx is None or ctx.rank == 0
+    multi = ctx is not None and ctx.world > 1
+    torch.manual_seed(cfg.train.seed)
+    target = build_target(cfg, ctx.device if ctx is not None else None)
+    describe = []
+    if ctx is not None:
+        describe.append(
+            f"topology: colocated, {ctx.world} ranks (data parallel), backend {ctx.backend}"
+        )
+    describe.append(
+        f"target: {cfg.target.name} | {target.num_layers} layers, H={target.hidden_size}, "
+        f"V={target.vocab_size}, {target.dtype}, {target.device}, linear-attn backend: {target.backend}"
+    )
+    gdn = linear_attn_report()
+    if gdn:
+        describe.append(f"target: Gated-DeltaNet ops -> {gdn}")
+    session = open_session(
+        cfg, run_dir, target.shape, writer=writer, describe=describe, logger=logger
+    )
+    samples = dataset_for_rank(cfg, target, run_dir, session.logger.info, ctx)
+    trainer, evaluator = session.start(
+        target, target.device, dp_group=ctx.world_group if multi else None
+    )
+    source = LocalBatchSource(
+        target, samples, cfg, ctx.rank if multi else 0, ctx.world if multi else 1
+    )
+    resume(cfg, run_dir, trainer, source.stream, session.logger, ctx if multi else None)
+    if writer:
+        write_run_config(cfg, run_dir)
+    return train_loop(
+        cfg, trainer, source, evaluator, session.logger, run_dir, stop_at, writer=writer
+    )

@@ -1,0 +1,160 @@
+"""Greedy AR decoding (the baseline) and chain speculative decoding (z-lab `dflash_generate`).
+
+Legend: P prompt length, B block size, D = B-1 drafted positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from .cache import (
+    cache_kw,
+    crop_attention,
+    is_hybrid_cache,
+    new_cache,
+    restore_linear_state,
+    snapshot_linear_state,
+)
+from .steps import (
+    DecodeResult,
+    DrafterState,
+    TargetRunner,
+    arange_row,
+    as_prompt,
+    finish,
+    leading_matches,
+    sync,
+)
+
+
+@torch.no_grad()
+def generate_ar(
+    target, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None
+) -> DecodeResult:
+    """Plain greedy decoding on the HF cache, one token per forward."""
+    model, dev = target.model, target.device
+    ids = as_prompt(target, prompt_ids)
+    P = ids.shape[1]
+    sync(dev)
+    t0 = time.perf_counter()
+    cache = new_cache(model)
+    kw = cache_kw(model)
+    logits = model(
+        input_ids=ids,
+        position_ids=arange_row(0, P, dev),
+        use_cache=True,
+        logits_to_keep=1,
+        **{kw: cache},
+    ).logits
+    tok = int(logits[0, -1].argmax())
+    sync(dev)
+    t_pre = time.perf_counter() - t0
+    out = [tok]
+    while len(out) < max_new_tokens and tok != eos_token_id:
+        pos = P + len(out) - 1
+        logits = model(
+            input_ids=torch.tensor([[tok]], device=dev),
+            position_ids=arange_row(pos, 1, dev),
+            use_cache=True,
+            **{kw: cache},
+        ).logits
+        tok = int(logits[0, -1].argmax())
+        out.append(tok)
+    sync(dev)
+    res = DecodeResult("ar", out[:max_new_tokens], wall_s=time.perf_counter() - t0, prefill_s=t_pre)
+    res.verify_tokens = max(0, len(res.tokens) - 1)
+    return res
+
+
+class ExactRollback:
+    """Rolls the target cache back to bonus + accepted drafts after a verify forward of B tokens.
+
+    Attention layers are cropped. Linear-attention (Gated-DeltaNet) layers cannot be cropped, so
+    their states are snapshotted before the verify forward and, on a partial acceptance,
+    restored and advanced by re-running the kept tokens (one extra forward of `keep` tokens)."""
+
+    def begin(self, cache) -> None:
+        self.hybrid = is_hybrid_cache(cache)
+
+    def before_verify(self, cache):
+        return snapshot_linear_state(cache) if self.hybrid else None
+
+    def rollback(self, cache, snap, B: int, keep: int, rerun: Callable[[], None]) -> int:
+        """Returns the number of extra target tokens run."""
+        if keep >= B:
+            return 0
+        if not self.hybrid:
+            crop_attention(cache, B - keep)
+            return 0
+        restore_linear_state(cache, snap)
+        crop_attention(cache, B)
+        rerun()
+        return keep
+
+
+@torch.no_grad()
+def generate_chain(
+    target,
+    drafter,
+    prompt_ids,
+    max_new_tokens: int,
+    *,
+    eos_token_id: int | None = None,
+    rollback: ExactRollback | None = None,
+    draft_fn: Callable | None = None,
+) -> DecodeResult:
+    """Chain speculative decoding; output identical to greedy.
+
+    rollback: how the target cache returns to the accepted length (default `ExactRollback`).
+    draft_fn(drafter_state, start, bonus) -> logits [D, V]: override for tests.
+    """
+    rollback = rollback if rollback is not None else ExactRollback()
+    model, dev = target.model, target.device
+    run = TargetRunner(target)
+    ids = as_prompt(target, prompt_ids)
+    P = ids.shape[1]
+    B = drafter.spec.block_size
+    sync(dev)
+    t0 = time.perf_counter()
+    cache = new_cache(model)
+    rollback.begin(cache)
+    greedy, aux = run(ids, arange_row(0, P, dev), cache, last_only=True)
+    out = [int(greedy[0, -1])]
+    ds = DrafterState(target, drafter)
+    ds.append(aux[0])
+    sync(dev)
+    res = DecodeResult("chain", [], prefill_s=time.perf_counter() - t0)
+    start = P
+    draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        bonus = out[-1]
+        draft = draft_fn(ds, start, bonus).argmax(-1).to(dev)  # [D]
+        block = torch.cat([torch.tensor([bonus], device=dev), draft])[None]
+        snap = rollback.before_verify(cache)
+        greedy, aux = run(block, arange_row(start, B, dev), cache)
+        res.verify_tokens += B
+        tgt = greedy[0]  # [B]
+        acc = min(leading_matches(draft, tgt[:-1]), max_new_tokens - len(out))
+        new = draft[:acc].tolist() + [int(tgt[acc])]
+        keep = acc + 1  # bonus + accepted drafts
+
+        def rerun(keep=keep, block=block, start=start):
+            run(
+                block[:, :keep], arange_row(start, keep, dev), cache, want_aux=False, last_only=True
+            )
+
+        res.verify_tokens += rollback.rollback(cache, snap, B, keep, rerun)
+        ds.append(aux[0, :keep])
+        res.accepted.append(acc)
+        res.drafts.append(draft.tolist())
+        out.extend(new)
+        start += keep
+        if eos_token_id is not None and eos_token_id in new:
+            break
+    sync(dev)
+    res.tokens = finish(out, max_new_tokens, eos_token_id)
+    res.wall_s = time.perf_counter() - t0
+    return res

@@ -1,0 +1,190 @@
+"""What every decoder shares: the result record, target forwards on a cache with aux capture, the
+drafter's growing context and one-block drafting.
+
+Legend: P prompt length, B block size, D = B-1 drafted positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..blocks import block_attention_mask
+from .cache import cache_kw
+
+
+@dataclass
+class DecodeResult:
+    mode: str  # "ar", "chain", "tree@b"
+    tokens: list  # generated tokens (prompt excluded)
+    accepted: list = field(default_factory=list)  # accepted drafted tokens per verify round
+    wall_s: float = 0.0  # prefill + decoding
+    prefill_s: float = 0.0
+    drafts: list = field(default_factory=list)  # chain: drafted tokens per round (D each)
+    tree_sizes: list = field(default_factory=list)  # tree: nodes verified per round
+    verify_tokens: int = 0  # tokens run through the target after prefill
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted + 1 (the bonus) over verify rounds; nan without rounds (AR)."""
+        return sum(self.accepted) / len(self.accepted) + 1.0 if self.accepted else math.nan
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else math.nan
+
+    def summary(self) -> dict:
+        return {
+            "mode": self.mode,
+            "tokens": len(self.tokens),
+            "rounds": self.num_rounds,
+            "tau": self.tau,
+            "wall_s": self.wall_s,
+            "prefill_s": self.prefill_s,
+            "tokens_per_s": self.tokens_per_s,
+            "verify_tokens": self.verify_tokens,
+        }
+
+
+class TargetRunner:
+    """Target forwards on a cache, with aux states captured by hooks on the aux layers."""
+
+    def __init__(self, target):
+        self.target = target
+        self.model = target.model
+        self.decoder = target.model.get_decoder()
+        self.cache_kw = cache_kw(self.decoder)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        ids_NT: torch.Tensor,
+        pos_NT: torch.Tensor,
+        cache,
+        attn_mask=None,
+        want_aux: bool = True,
+        last_only: bool = False,
+    ):
+        """Returns the target's greedy tokens [N, T] ([N, 1] with last_only) and aux [N, T, K*H]
+        (or None). Runs the decoder and takes the argmax of lm_head in chunks
+        (`Target.greedy_from_hidden`, as `Target.capture`), so the full [N, T, V] logits of a
+        large tree batch are never held."""
+        with self.target.tap_aux(enabled=want_aux) as taps:
+            out = self.decoder(
+                input_ids=ids_NT,
+                position_ids=pos_NT,
+                attention_mask=attn_mask,
+                use_cache=True,
+                **{self.cache_kw: cache},
+            )
+        final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        if last_only:
+            final = final[:, -1:]
+        return self.target.greedy_from_hidden(final, 4096), taps.aux()
+
+
+def as_prompt(target, prompt_ids) -> torch.Tensor:
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("prompt_ids is empty")
+    return ids.to(target.device)[None]
+
+
+def arange_row(start: int, n: int, device) -> torch.Tensor:
+    return torch.arange(start, start + n, device=device)[None]
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DrafterState:
+    """The drafter's context K/V cache (positions 0..T-1) and one-block drafting."""
+
+    def __init__(self, target, drafter):
+        self.target, self.drafter, self.spec = target, drafter, drafter.spec
+        p = next(drafter.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.ctx_kv: list | None = None
+        self.T = 0
+
+    @torch.no_grad()
+    def append(self, aux_TF: torch.Tensor) -> None:
+        """Context features of the next positions T..T+n-1 (only committed positions)."""
+        n = aux_TF.shape[0]
+        if n == 0:
+            return
+        pos = arange_row(self.T, n, self.device)
+        kv = self.drafter.context_kv(
+            self.drafter.context(aux_TF.to(self.device, self.dtype)[None]), pos
+        )
+        if self.ctx_kv is None:
+            self.ctx_kv = kv
+        else:
+            self.ctx_kv = [
+                (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                for (k0, v0), (k1, v1) in zip(self.ctx_kv, kv)
+            ]
+        self.T += n
+
+    def masks(self, start: int) -> dict:
+        """Per layer type bool [1, 1, B, start + B]: the training/eval rule of dflash.blocks
+        (context < anchor, full layers bidirectional in the block, sliding causal + window)."""
+        spec, dev = self.spec, self.device
+        pos = torch.arange(start + 1, device=dev)[None]  # context + the anchor itself
+        seg = torch.zeros_like(pos)
+        anchors = torch.tensor([[start]], device=dev)
+        valid = torch.ones_like(anchors, dtype=torch.bool)
+        out = {}
+        for t in set(spec.layer_types):
+            m = block_attention_mask(
+                anchors,
+                valid,
+                pos,
+                seg,
+                spec.block_size,
+                causal_in_block=(t == "sliding_attention"),
+                window=spec.sliding_window if t == "sliding_attention" else None,
+            )
+            out[t] = torch.cat(
+                [m[..., :start], m[..., start + 1 :]], dim=-1
+            )  # drop the anchor column
+        return out
+
+    @torch.no_grad()
+    def draft_logits(self, start: int, bonus: int) -> torch.Tensor:
+        """float32 logits [D, V] of block positions 1..B-1 for the block anchored at `start`."""
+        if self.T != start:
+            raise AssertionError(
+                f"drafter context holds {self.T} positions, block anchored at {start}"
+            )
+        B, dev = self.spec.block_size, self.device
+        ids = torch.full(
+            (1, B), self.spec.mask_token_id, dtype=torch.long, device=self.target.device
+        )
+        ids[0, 0] = bonus
+        emb = self.target.embed_tokens(ids).to(dev, self.dtype)
+        h = self.drafter(emb, arange_row(start, B, dev), self.masks(start), ctx_kv=self.ctx_kv)[
+            0, 1:
+        ]
+        W = self.target.lm_head.weight
+        return (h.to(W.device, W.dtype) @ W.t()).float()
+
+
+def leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:
+    m = (draft == tgt).long()
+    return int(m.cumprod(0).sum())
+
+
+def finish(out: list, max_new_tokens: int, eos_token_id: int | None) -> list:
+    out = out[:max_new_tokens]
+    if eos_token_id is not None and eos_token_id in out:
+        out = out[: out.index(eos_token_id) + 1]
+    return out

@@ -1,0 +1,168 @@
+"""DDTree speculative decoding: the best-`budget` tree of the drafter's per-position log-probs,
+verified in one target forward (attention targets) or as a batch of root-to-leaf chains (hybrid
+targets), then the cache is committed to prefix + accepted path.
+
+Legend: B block size, D = B-1 drafted positions, b tree budget, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..ddtree import build_ddtree
+from .cache import expand_cache, gather_attention, is_hybrid_cache, new_cache
+from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
+
+
+def tree_verify_mask(tree, start: int, dtype, device) -> torch.Tensor:
+    """Additive float mask [1, 1, 1+b, start+1+b]: every row sees the committed prefix and the
+    bonus (root); node rows see their ancestors and themselves; the bonus row sees only the
+    prefix and itself."""
+    b = tree.num_nodes
+    allowed = torch.zeros(1 + b, start + 1 + b, dtype=torch.bool, device=device)
+    allowed[:, : start + 1] = True
+    allowed[1:, start + 1 :] = tree.visibility.to(device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def tree_forward(run, cache, tree, bonus: int, start: int):
+    """One target forward over [bonus, tree nodes] appended to the cache (which holds positions
+    0..start-1): positions start + depth, ancestor-only mask. Returns greedy [1, 1+b] and aux."""
+    dev = run.target.device
+    block = torch.cat([torch.tensor([bonus]), tree.tokens]).to(dev)[None]
+    pos = (start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depths])).to(dev)[None]
+    mask = tree_verify_mask(tree, start, run.model.dtype, dev)
+    return run(block, pos, cache, attn_mask=mask)
+
+
+def walk_tree(tree, node_argmax: list, root_argmax: int, cap: int) -> tuple[list, int]:
+    """Longest root path whose tokens are the target's argmax; returns (node path, next bonus)."""
+    children = {}
+    for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+        children[(p, t)] = i
+    path, nxt = [], root_argmax
+    node = -1
+    while len(path) < cap:
+        child = children.get((node, nxt))
+        if child is None:
+            break
+        path.append(child)
+        node = child
+        nxt = node_argmax[child]
+    return path, nxt
+
+
+def root_to_leaf_paths(tree) -> list:
+    parents = tree.parents.tolist()
+    has_child = set(p for p in parents if p >= 0)
+    paths = []
+    for i in range(len(parents)):
+        if i in has_child:
+            continue
+        path, j = [], i
+        while j >= 0:
+            path.append(j)
+            j = parents[j]
+        paths.append(path[::-1])
+    return paths
+
+
+@torch.no_grad()
+def generate_tree(
+    target,
+    drafter,
+    prompt_ids,
+    max_new_tokens: int,
+    budget: int,
+    *,
+    eos_token_id: int | None = None,
+    draft_fn: Callable | None = None,
+) -> DecodeResult:
+    """DDTree speculative decoding; output identical to greedy.
+
+    Attention-only targets: one forward over [bonus, tree nodes] with depth positions and the
+    ancestor-only mask, then the K/V of prefix + bonus + accepted nodes are gathered in order.
+    Hybrid targets: root-to-leaf paths verified as a batch of chains (see the `dflash.decoding` docstring).
+    """
+    model, dev = target.model, target.device
+    run = TargetRunner(target)
+    ids = as_prompt(target, prompt_ids)
+    P = ids.shape[1]
+    sync(dev)
+    t0 = time.perf_counter()
+    cache = new_cache(model)
+    hybrid = is_hybrid_cache(cache)
+    greedy, aux = run(ids, arange_row(0, P, dev), cache, last_only=True)
+    out = [int(greedy[0, -1])]
+    ds = DrafterState(target, drafter)
+    ds.append(aux[0])
+    sync(dev)
+    res = DecodeResult(f"tree@{budget}", [], prefill_s=time.perf_counter() - t0)
+    start = P
+    draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        bonus = out[-1]
+        lp = torch.log_softmax(draft_fn(ds, start, bonus), -1)
+        tree = build_ddtree(lp, budget)
+        b = tree.num_nodes
+        cap = max_new_tokens - len(out)
+        if not hybrid:
+            greedy, aux = tree_forward(run, cache, tree, bonus, start)
+            res.verify_tokens += 1 + b
+            am = greedy[0].tolist()
+            path, nxt = walk_tree(tree, am[1:], am[0], cap)
+            rows = [0] + [1 + i for i in path]
+            keep_idx = torch.cat(
+                [torch.arange(start + 1), start + 1 + torch.tensor(path, dtype=torch.long)]
+            )
+            gather_attention(cache, keep_idx)
+            new_aux = aux[0, rows]
+        else:
+            path, nxt, n_tok = verify_tree_as_paths(run, model, cache, tree, bonus, start, cap, dev)
+            res.verify_tokens += n_tok
+            acc_ids = torch.tensor([[bonus] + tree.tokens[path].tolist()], device=dev)
+            _, aux = run(acc_ids, arange_row(start, acc_ids.shape[1], dev), cache, last_only=True)
+            res.verify_tokens += acc_ids.shape[1]
+            new_aux = aux[0]
+        acc = len(path)
+        ds.append(new_aux)
+        res.accepted.append(acc)
+        res.tree_sizes.append(b)
+        new = tree.tokens[path].tolist() + [int(nxt)]
+        out.extend(new)
+        start += acc + 1
+        if eos_token_id is not None and eos_token_id in new:
+            break
+    sync(dev)
+    res.tokens = finish(out, max_new_tokens, eos_token_id)
+    res.wall_s = time.perf_counter() - t0
+    return res
+
+
+def verify_tree_as_paths(run, model, cache, tree, bonus: int, start: int, cap: int, dev):
+    """Hybrid targets: each root-to-leaf path is one row [bonus, path..., pad] of a batch run
+    from a batch copy of the committed cache (right padding is harmless: causal). Returns the
+    accepted node path, the next bonus token and the number of tokens run."""
+    paths = root_to_leaf_paths(tree)
+    if not paths:  # empty tree: only the bonus row
+        paths = [[]]
+    L = 1 + max(len(p) for p in paths)
+    toks = tree.tokens.tolist()
+    rows = torch.full((len(paths), L), bonus, dtype=torch.long)
+    for r, p in enumerate(paths):
+        rows[r, 1 : 1 + len(p)] = torch.tensor([toks[i] for i in p], dtype=torch.long)
+    bcache = expand_cache(model, cache, len(paths))
+    pos = arange_row(start, L, dev).expand(len(paths), L)
+    greedy, _ = run(rows.to(dev), pos, bcache, want_aux=False)
+    am = greedy.tolist()
+    node_argmax = [0] * tree.num_nodes
+    for r, p in enumerate(paths):
+        for j, i in enumerate(p):
+            node_argmax[i] = am[r][j + 1]
+    path, nxt = walk_tree(tree, node_argmax, am[0][0], cap)
+    return path, nxt, len(paths) * L

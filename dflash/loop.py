@@ -1,0 +1,121 @@
+"""The train loop: loop { step; maybe log; maybe eval; maybe save }, over any `BatchSource`."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Protocol
+
+from tqdm.auto import tqdm
+
+from .batch import TargetBatch
+from .checkpoint import save_checkpoint
+from .config import RunConfig
+from .loggers import Logger
+from .stream import SampleStream
+from .trainer import DrafterTrainer
+
+
+class BatchSource(Protocol):
+    """Where a trainer rank's micro-batches come from: its own target forward (colocated) or the
+    stream from the target workers (split)."""
+
+    stream: SampleStream  # position and epoch of the sample order (saved in checkpoints)
+
+    def next_batches(self) -> list[TargetBatch]:
+        """This rank's grad_accum micro-batches of the next step."""
+        ...
+
+    def step_metrics(self, target_s: float, drafter_s: float) -> dict:
+        """Cheap, local figures of the step just taken (every step)."""
+        ...
+
+    def interval_metrics(self) -> dict:
+        """Figures over the interval since the last log step; every trainer rank calls it at the
+        same steps (it may be a collective)."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+
+def train_loop(
+    cfg: RunConfig,
+    trainer: DrafterTrainer,
+    source: BatchSource,
+    evaluator,
+    logger: Logger,
+    run_dir: str,
+    stop_at: int | None = None,
+    writer: bool = True,
+) -> dict:
+    """Only the writer rank saves. stop_at: end after that step as if interrupted."""
+    tc = cfg.train
+    last: dict = {}
+    first_eval = None
+    if evaluator is not None and trainer.step == 0:
+        first_eval = evaluator.run(trainer.drafter, trainer.heads)
+        logger.log(first_eval, step=0)
+    bar = tqdm(
+        total=tc.steps,
+        initial=trainer.step,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=os.environ.get("DFLASH_NO_PROGRESS") == "1" or not writer,
+    )
+    while trainer.step < tc.steps:
+        t0 = time.perf_counter()
+        batches = source.next_batches()
+        t1 = time.perf_counter()
+        metrics = trainer.train_step(batches)
+        t2 = time.perf_counter()
+        step = trainer.step
+        metrics.update(
+            {
+                "perf/target_s": t1 - t0,
+                "perf/drafter_s": t2 - t1,
+                "perf/tokens_per_s": metrics["train/tokens"] / max(t2 - t0, 1e-9),
+                "data/epoch": source.stream.epoch,
+            }
+        )
+        metrics.update(source.step_metrics(t1 - t0, t2 - t1))
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc']:.3f}")
+        if step % tc.log_every == 0 or step == tc.steps:
+            metrics.update(source.interval_metrics())
+            logger.log(metrics, step)
+        last.update(metrics)
+        if evaluator is not None and (step % tc.eval_every == 0 or step == tc.steps):
+            ev = evaluator.run(trainer.drafter, trainer.heads)
+            logger.log(ev, step)
+            last.update(ev)
+        if writer and (step % tc.save_every == 0 or step == tc.steps):
+            path = save_checkpoint(
+                run_dir,
+                step,
+                trainer.drafter,
+                trainer.state_dict(),
+                tc.keep_last,
+                extra={"source": source.state_dict()},
+            )
+            last["checkpoint"] = path
+        if stop_at is not None and step >= stop_at:
+            break
+    bar.close()
+    _summarize(logger, last, first_eval)
+    return last
+
+
+def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:
+    if first_eval is not None:
+        last["eval0/streak"] = first_eval.get("eval/streak")
+        last["eval0/tau"] = first_eval.get("eval/tau")
+    logger.summary({k: v for k, v in last.items() if isinstance(v, (int, float))})
+    if "checkpoint" in last:
+        logger.info(f"checkpoint: {last['checkpoint']}")
+    if "eval/tau" in last:
+        msg = f"eval: streak {last['eval/streak']:.3f}  tau {last['eval/tau']:.3f}"
+        if first_eval is not None:
+            msg += f"  (at step 0: streak {first_eval['eval/streak']:.3f}, tau {first_eval['eval/tau']:.3f})"
+        logger.info(msg)
+    logger.close()

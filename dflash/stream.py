@@ -1,0 +1,43 @@
+"""The order in which training reads samples: deterministic and resumable."""
+
+from __future__ import annotations
+
+import torch
+
+
+class SampleStream:
+    """Deterministic order (a fresh permutation per epoch) with a resumable position: the
+    checkpoint stores how many samples were consumed, so a resumed run continues exactly."""
+
+    def __init__(self, num_samples: int, seed: int):
+        if num_samples < 1:
+            raise ValueError("the dataset is empty")
+        self.num_samples, self.seed, self.position = num_samples, seed, 0
+        self._perm_epoch, self._perm = -1, None
+
+    def _index(self, pos: int) -> int:
+        epoch = pos // self.num_samples
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.num_samples, generator=g), epoch
+        return int(self._perm[pos % self.num_samples])
+
+    def take(self, n: int) -> list[int]:
+        out = [self._index(self.position + i) for i in range(n)]
+        self.position += n
+        return out
+
+    @property
+    def epoch(self) -> float:
+        return self.position / self.num_samples
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "num_samples": self.num_samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"resume: the checkpoint's stream had {state['num_samples']} samples, "
+                f"this run's data has {self.num_samples}; resume with the same data config"
+            )
+        self.position = int(state["position"])
