@@ -47,7 +47,7 @@ class TargetBatch(TokenBatch):
 
     next_token_NT is computed once, from the clean forward, before any noise: `noised` records
     whether aux_NTF was perturbed afterwards, and label derivation refuses noised batches
-    computed any other way (pitfall 1)."""
+    computed any other way (labels from noised inputs are not what the target would predict)."""
 
     aux_NTF: torch.Tensor | None = None
     next_token_NT: torch.Tensor | None = None

@@ -2,8 +2,8 @@
 
 One dataclass per Hydra config group, registered with Hydra's ConfigStore so that a typo or an
 unknown key fails at composition with the key's name. Below the entry points nothing sees a
-DictConfig: `to_run_config` converts once and `RunConfig.validate` checks cross-field rules,
-raising ValueError that names the dotted key and what is allowed.
+DictConfig: `to_run_config` converts once and every group's `validate` checks its own rules,
+raising ValueError that names the dotted key, what is allowed and why.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ LINEAR_ATTN_BACKENDS = ("auto", "fla", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 LOSSES = ("hard_ce", "soft_kl")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DATA_SOURCES = ("selfgen", "jsonl", "parquet", "stdlib", "humaneval")
+BACKENDS = ("auto", "nccl", "gloo")  # auto: nccl on CUDA, gloo on CPU
 
 
 @dataclass
@@ -39,10 +41,26 @@ class TargetConfig:
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
     # token, or vocab_size-1 for tokenizer-less random targets.
     mask_token_id: int | None = None
-    # Text conventions of the target (pitfall 6): the same settings are used for
-    # regenerated training data and for eval prompts.
+    # Text conventions of the target: the same settings are used for regenerated training data
+    # and for eval prompts, so the drafter is judged on text formatted as it was trained on.
     chat_template: bool = False
     enable_thinking: bool = False
+
+    def validate(self) -> None:
+        _check_choice("target.linear_attn_backend", self.linear_attn_backend, LINEAR_ATTN_BACKENDS)
+        _check_choice("target.dtype", self.dtype, DTYPES)
+        if self.path is None and self.config is None:
+            raise ValueError(
+                f"target.path is not set (target={self.name}): set target.path=/path/to/the/"
+                "weights (a local Hugging Face directory; nothing is downloaded at run time), or pick "
+                "a tiny random target, e.g. target=tiny_qwen3_5"
+            )
+        if self.path is not None and self.config is not None:
+            raise ValueError(
+                "target: set exactly one of target.path (local weights) and target.config "
+                f"(random weights from a config); got path={self.path!r}, "
+                f"config={'set' if self.config else None}"
+            )
 
 
 @dataclass
@@ -71,6 +89,40 @@ class DrafterConfig:
     # Initialise from an existing drafter checkpoint directory (serving format).
     init_from: str | None = None
 
+    def validate(self) -> None:
+        if self.block_size < 2:
+            raise ValueError(
+                f"drafter.block_size must be >= 2 (the anchor plus at least one drafted "
+                f"position), got {self.block_size}"
+            )
+        if self.num_layers < 1:
+            raise ValueError(f"drafter.num_layers must be >= 1, got {self.num_layers}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"drafter.layer_types has {len(self.layer_types)} entries but "
+                    f"drafter.num_layers={self.num_layers}; give one of {LAYER_TYPES} per layer"
+                )
+            for i, t in enumerate(self.layer_types):
+                _check_choice(f"drafter.layer_types[{i}]", t, LAYER_TYPES)
+            if "sliding_attention" in self.layer_types and self.sliding_window < self.block_size:
+                raise ValueError(
+                    f"drafter.sliding_window={self.sliding_window} is smaller than "
+                    f"drafter.block_size={self.block_size}; a sliding layer must see its whole "
+                    "block prefix"
+                )
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads and kv and heads % kv:
+            raise ValueError(
+                f"drafter.num_attention_heads={heads} must be a multiple of "
+                f"drafter.num_key_value_heads={kv} (each key/value head serves a whole group)"
+            )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(
+                f"drafter.head_dim={self.head_dim} must be even (the rotary embedding rotates "
+                "pairs of dimensions)"
+            )
+
 
 @dataclass
 class DataConfig:
@@ -93,6 +145,22 @@ class DataConfig:
     # The target still runs each sample alone; the drafter's masks keep samples apart.
     pack_to: int | None = None
 
+    def validate(self) -> None:
+        _check_choice("data.source", self.source, DATA_SOURCES)
+        _check_choice("data.too_long", self.too_long, ("truncate", "drop"))
+        if self.source in ("jsonl", "parquet") and not self.paths:
+            raise ValueError(
+                f"data.paths is empty for data.source={self.source}: set "
+                "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
+                "field), or data=selfgen for the target's own text on random prompts"
+            )
+        if self.pack_to is not None and self.pack_to < self.max_length:
+            raise ValueError(
+                f"data.pack_to={self.pack_to} is shorter than data.max_length="
+                f"{self.max_length}: a full-length sample would not fit in a row; "
+                "set data.pack_to >= data.max_length or null (no packing)"
+            )
+
 
 @dataclass
 class TrainConfig:
@@ -107,7 +175,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     clip_grad: float = 1.0
     loss: str = "hard_ce"
-    allow_soft_loss: bool = False  # soft KL must be chosen explicitly (pitfall 3)
+    allow_soft_loss: bool = False  # soft KL must be chosen explicitly (see validate)
     gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
     noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
@@ -117,6 +185,35 @@ class TrainConfig:
     eval_every: int = 100
     save_every: int = 100
     keep_last: int = 2
+
+    def validate(self) -> None:
+        _check_choice("train.dtype", self.dtype, DTYPES)
+        _check_choice("train.loss", self.loss, LOSSES)
+        if self.loss == "soft_kl" and not self.allow_soft_loss:
+            raise ValueError(
+                "train.loss=soft_kl trains a soft objective while acceptance is judged by the "
+                "argmax (matching the target's distribution does not maximise exact-match "
+                "acceptance). Hard CE is the default; to train soft KL anyway, also set "
+                "train.allow_soft_loss=true (it is logged)."
+            )
+        if self.gamma is not None and not self.gamma > 0:
+            raise ValueError(
+                f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.gamma}"
+            )
+        if len(self.betas) != 2:
+            raise ValueError(f"train.betas must have two values, got {list(self.betas)}")
+        for key in (
+            "steps",
+            "micro_batch_size",
+            "grad_accum",
+            "max_anchors",
+            "log_every",
+            "eval_every",
+            "save_every",
+            "lm_head_chunk",
+        ):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
 
 
 @dataclass
@@ -131,6 +228,11 @@ class EvalConfig:
     paths: list[str] = field(default_factory=list)
     show_rounds: int = 2  # rounds printed per prompt in the table
 
+    def validate(self) -> None:
+        bad = [b for b in self.budgets if b < 1]
+        if bad:
+            raise ValueError(f"eval.budgets must all be >= 1 (DDTree node budgets); got {bad}")
+
 
 @dataclass
 class LoggerConfig:
@@ -139,6 +241,9 @@ class LoggerConfig:
     entity: str | None = None
     mode: str = "auto"  # auto: online when credentials exist, else offline
     tags: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        _check_choice("logger.kind", self.kind, ("console", "wandb", "none"))
 
 
 @dataclass
@@ -156,6 +261,21 @@ class TopologyConfig:
     # Startup (target load, data regeneration/reading on rank 0, checkpoint load) may take this long
     # before the ranks meet; a rank that never arrives is named.
     startup_timeout_s: float = 3600.0
+
+    def validate(self) -> None:
+        _check_choice("topology.mode", self.mode, ("colocated", "split"))
+        _check_choice("topology.on_bad_batch", self.on_bad_batch, ("skip", "stop"))
+        _check_choice("topology.backend", self.backend, BACKENDS)
+        if self.window < 1:
+            raise ValueError(
+                f"topology.window must be >= 1 (batches in flight per link), got {self.window}"
+            )
+        for key in ("timeout_s", "startup_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(
+                    f"topology.{key} must be > 0 seconds (a silent peer is detected after it), "
+                    f"got {getattr(self, key)}"
+                )
 
 
 @dataclass
@@ -175,99 +295,17 @@ class RunConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def validate(self) -> RunConfig:
-        _check_choice(
-            "target.linear_attn_backend", self.target.linear_attn_backend, LINEAR_ATTN_BACKENDS
-        )
-        _check_choice("target.dtype", self.target.dtype, DTYPES)
-        _check_choice("train.dtype", self.train.dtype, DTYPES)
-        _check_choice("train.loss", self.train.loss, LOSSES)
-        _check_choice("data.too_long", self.data.too_long, ("truncate", "drop"))
-        _check_choice(
-            "data.source", self.data.source, ("selfgen", "jsonl", "parquet", "stdlib", "humaneval")
-        )
-        _check_choice("logger.kind", self.logger.kind, ("console", "wandb", "none"))
-        _check_choice("topology.mode", self.topology.mode, ("colocated", "split"))
-        _check_choice("topology.on_bad_batch", self.topology.on_bad_batch, ("skip", "stop"))
-        if self.target.path is None and self.target.config is None:
-            raise ValueError(
-                f"target.path is not set (target={self.target.name}): set target.path=/path/to/the/"
-                "weights (a local Hugging Face directory; nothing is downloaded at run time), or pick "
-                "a tiny random target, e.g. target=tiny_qwen3_5"
-            )
-        if self.data.source in ("jsonl", "parquet") and not self.data.paths:
-            raise ValueError(
-                f"data.paths is empty for data.source={self.data.source}: set "
-                "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
-                "field), or data=selfgen for the target's own text on random prompts"
-            )
-        if self.target.path is not None and self.target.config is not None:
-            raise ValueError(
-                "target: set exactly one of target.path (local weights) and target.config "
-                f"(random weights from a config); got path={self.target.path!r}, "
-                f"config={'set' if self.target.config else None}"
-            )
-        if self.train.loss == "soft_kl" and not self.train.allow_soft_loss:
-            raise ValueError(
-                "train.loss=soft_kl trains a soft objective while acceptance is judged by argmax "
-                "(pitfall 3). Hard CE is the default; to train soft KL anyway, also set "
-                "train.allow_soft_loss=true (it is logged)."
-            )
-        d = self.drafter
-        if d.block_size < 2:
-            raise ValueError(f"drafter.block_size must be >= 2, got {d.block_size}")
-        if d.num_layers < 1:
-            raise ValueError(f"drafter.num_layers must be >= 1, got {d.num_layers}")
-        if (
-            d.layer_types
-            and "sliding_attention" in d.layer_types
-            and d.sliding_window < d.block_size
+        """Each group checks itself; the rules that span groups are here."""
+        for group in (
+            self.target,
+            self.drafter,
+            self.data,
+            self.train,
+            self.eval,
+            self.logger,
+            self.topology,
         ):
-            raise ValueError(
-                f"drafter.sliding_window={d.sliding_window} is smaller than drafter.block_size="
-                f"{d.block_size}; a sliding layer must see its whole block prefix"
-            )
-        if d.layer_types is not None:
-            if len(d.layer_types) != d.num_layers:
-                raise ValueError(
-                    f"drafter.layer_types has {len(d.layer_types)} entries but drafter.num_layers="
-                    f"{d.num_layers}; give one of {LAYER_TYPES} per layer"
-                )
-            for i, t in enumerate(d.layer_types):
-                _check_choice(f"drafter.layer_types[{i}]", t, LAYER_TYPES)
-        if self.train.gamma is not None and not self.train.gamma > 0:
-            raise ValueError(
-                f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.train.gamma}"
-            )
-        if len(self.train.betas) != 2:
-            raise ValueError(f"train.betas must have two values, got {list(self.train.betas)}")
-        heads, kv = d.num_attention_heads, d.num_key_value_heads
-        if heads and kv and heads % kv:
-            raise ValueError(
-                f"drafter.num_attention_heads={heads} must be a multiple of "
-                f"drafter.num_key_value_heads={kv}"
-            )
-        if d.head_dim is not None and d.head_dim % 2:
-            raise ValueError(f"drafter.head_dim={d.head_dim} must be even (rotary embedding)")
-        for key in (
-            "steps",
-            "micro_batch_size",
-            "grad_accum",
-            "max_anchors",
-            "log_every",
-            "eval_every",
-            "save_every",
-            "lm_head_chunk",
-        ):
-            if getattr(self.train, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self.train, key)}")
-        if self.data.pack_to is not None and self.data.pack_to < self.data.max_length:
-            raise ValueError(
-                f"data.pack_to={self.data.pack_to} is shorter than data.max_length="
-                f"{self.data.max_length}: a full-length sample would not fit in a row; "
-                "set data.pack_to >= data.max_length or null (no packing)"
-            )
-        if self.topology.window < 1:
-            raise ValueError(f"topology.window must be >= 1, got {self.topology.window}")
+            group.validate()
         return self
 
 
@@ -276,22 +314,18 @@ def _check_choice(key: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
+SCHEMA_NAME = "dflash_run_schema"
+
+
 def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (group defaults validate against them)."""
+    """Register the typed schema with Hydra's ConfigStore as the root of conf/config.yaml's
+    defaults list. Every group is a typed field of RunConfig, so each group file merged into
+    it is checked against its dataclass (an unknown key or a wrong type fails at composition,
+    naming the key). The schema is not stored in any group, so it is no user choice:
+    `target=<schema>` does not exist and --help lists only real options."""
     from hydra.core.config_store import ConfigStore
 
-    cs = ConfigStore.instance()
-    cs.store(name="run_schema", node=RunConfig)
-    for group, node in (
-        ("target", TargetConfig),
-        ("drafter", DrafterConfig),
-        ("data", DataConfig),
-        ("train", TrainConfig),
-        ("eval", EvalConfig),
-        ("logger", LoggerConfig),
-        ("topology", TopologyConfig),
-    ):
-        cs.store(group=group, name=f"{group}_schema", node=node)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
 
 
 def to_run_config(cfg: Any) -> RunConfig:

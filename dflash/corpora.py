@@ -1,8 +1,8 @@
 """Built-in prompt corpora: the CPython standard library (training) and HumanEval (held out).
 
 Both produce the same kind of prompt, a Python signature + docstring to complete, wrapped by
-`completion_prompt`, so training prompts and eval prompts share one format (pitfall 6; the chat
-template is applied later, by dflash.data.encode_prompts, from the target config).
+`completion_prompt`, so training prompts and eval prompts share one format (a drafter is judged on
+text shaped like its training text; the chat template is applied later, by dflash.data.encode_prompts, from the target config).
 
 HumanEval is held out: `check_training_source` refuses it as training data.
 """

@@ -92,8 +92,8 @@ def _parquet_rows(cfg: DataConfig) -> list:
 
 
 def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[int]]:
-    """Token ids of prompts with the target's text conventions (pitfall 6: the same function
-    builds eval prompts). target.chat_template=true: the tokenizer's chat template with a
+    """Token ids of prompts with the target's text conventions (the same function
+    builds eval prompts, so they are formatted as training saw them). target.chat_template=true: the tokenizer's chat template with a
     generation prompt and `enable_thinking` passed explicitly; false: the raw text."""
     if not prompts:
         raise ValueError("no prompts to encode (the prompt source is empty)")

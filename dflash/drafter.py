@@ -233,7 +233,8 @@ class DFlashDrafter(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=generator) * std)
 
     def context(self, aux_NTF: torch.Tensor) -> torch.Tensor:
-        # fc runs in the autocast dtype (bf16/fp32): fp16 overflows here (pitfall 7).
+        # fc runs in the autocast dtype (bf16/fp32): fp16 overflows here (its input concatenates
+        # several target layers' hidden states).
         return self.hidden_norm(self.fc(aux_NTF))
 
     def context_kv(self, ctx_NTH: torch.Tensor, ctx_pos_NT: torch.Tensor) -> list:

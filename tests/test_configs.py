@@ -96,6 +96,51 @@ def test_unknown_key_fails_at_composition():
         _compose(["train.stepz=3"])
 
 
+def test_schema_is_no_user_choice():
+    """The typed schema validates every group file but is not an option of any group."""
+    for group in ("target", "drafter", "data", "train", "eval", "logger", "topology"):
+        with pytest.raises(Exception, match=f"Could not find '{group}/{group}_schema'"):
+            _compose([f"{group}={group}_schema"])
+    r = subprocess.run(
+        [sys.executable, "train.py", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    groups = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert r.returncode == 0 and "target: " in groups and "schema" not in groups
+
+
+def test_group_file_with_unknown_key_fails_at_composition(tmp_path):
+    import shutil
+
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "target" / "typo.yaml").write_text("name: typo\nconfig: {}\nhiden_size: 64\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        with pytest.raises(Exception, match="hiden_size"):
+            compose("config", overrides=["target=typo"])
+
+
+@pytest.mark.parametrize(
+    "group,kwargs,match",
+    [
+        ("TopologyConfig", {"timeout_s": 0}, "topology.timeout_s must be > 0"),
+        ("TopologyConfig", {"backend": "mpi"}, "topology.backend"),
+        ("DataConfig", {"pack_to": 8, "max_length": 16}, "data.pack_to"),
+        ("DrafterConfig", {"block_size": 1}, "drafter.block_size"),
+        ("EvalConfig", {"budgets": [0, 4]}, "eval.budgets"),
+    ],
+)
+def test_each_group_validates_itself(group, kwargs, match):
+    import dflash.config as C
+
+    getattr(C, group)().validate()  # the defaults are valid
+    with pytest.raises(ValueError, match=match):
+        getattr(C, group)(**kwargs).validate()
+
+
 @pytest.mark.parametrize(
     "override,match",
     [

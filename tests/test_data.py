@@ -93,7 +93,7 @@ def test_humaneval_prompts_from_file_and_default_location(tmp_path, monkeypatch)
         humaneval_prompts(str(tmp_path / "humaneval" / "HumanEval.jsonl.gz"), raw=True)[1]
         == rows[1]["prompt"]
     )
-    # the same format as the training corpus (pitfall 6)
+    # the same format as the training corpus
     assert got[0].split("\n")[0] == stdlib_prompts(1, seed=0)[0].split("\n")[0]
 
 

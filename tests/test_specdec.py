@@ -169,7 +169,7 @@ def _fresh_state(target, ids):
 
 
 def test_crop_alone_is_wrong_on_hybrid():
-    """Pitfall 8. On the hybrid target, rolling back a partially accepted verify with
+    """On the hybrid target, rolling back a partially accepted verify with
     transformers' crop (activate_past_recording + cache.crop: conv window rolled back, the
     Gated-DeltaNet recurrent state not) leaves a state that differs from a fresh prefill of the
     accepted tokens, and decoding with it departs from greedy; snapshot/restore + re-run gives
