@@ -1,6 +1,7 @@
 """One training step of the drafter over target batches (colocated or streamed, same code).
 
-Legend: N rows, T positions, A anchors, B block size, Q = A*B, H hidden, M labelled positions.
+Legend: N rows, T positions, A anchors, B block size, K = B-1 labelled positions per block,
+Q = A*B, H hidden, M labelled positions.
 """
 
 from __future__ import annotations

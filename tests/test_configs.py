@@ -47,7 +47,7 @@ def test_every_experiment_composes_and_builds(exp, tmp_path):
 
 
 def test_v5_recipe_on_tiny_target(tmp_path):
-    from dflash.colocated import run_colocated as run_training
+    from dflash.colocated import run_colocated
 
     rc = typed(
         _compose(
@@ -63,7 +63,7 @@ def test_v5_recipe_on_tiny_target(tmp_path):
     )
     assert rc.train.loss == "hard_ce" and rc.drafter.block_size == 16 and rc.train.lr == 6e-4
     assert rc.drafter.layer_types.count("sliding_attention") == 4
-    out = run_training(rc, str(tmp_path / "run"))
+    out = run_colocated(rc, str(tmp_path / "run"))
     assert os.path.exists(os.path.join(out["checkpoint"], "model.safetensors"))
 
 

@@ -176,7 +176,7 @@ def test_schedule_matches_colocated_dp_and_covers_everything_once(W, D, ga):
     for w in range(W):  # each worker produces in increasing global order (no deadlock)
         gs = [sched.global_index(s, j) for s, j in sched.worker_items(w)]
         assert gs == sorted(gs)
-    # Colocated DP (runner.LocalBatchSource): rank d, accumulation slot a takes the slice
+    # Colocated DP (colocated.LocalBatchSource): rank d, accumulation slot a takes the slice
     # [d*mb, (d+1)*mb) of the next mb*D stream positions. The schedule must give the same ones.
     for s in range(start_step, steps):
         for a in range(ga):

@@ -140,14 +140,14 @@ def _run_cfg(tmp_path, steps, resume=None, **train):
 
 def test_resume_equals_uninterrupted(tmp_path):
     from dflash.checkpoint import load_drafter
-    from dflash.colocated import run_colocated as run_training
+    from dflash.colocated import run_colocated
 
     full = _run_cfg(tmp_path, 6)
-    run_training(full, str(tmp_path / "full"))
-    run_training(_run_cfg(tmp_path, 6), str(tmp_path / "part"), stop_at=4)  # an interrupted run
+    run_colocated(full, str(tmp_path / "full"))
+    run_colocated(_run_cfg(tmp_path, 6), str(tmp_path / "part"), stop_at=4)  # an interrupted run
     # a fresh process would see steps=6 and resume from step 4 of the partial run
     cont = _run_cfg(tmp_path, 6, resume=str(tmp_path / "part" / "checkpoints" / "step_00000004"))
-    out = run_training(cont, str(tmp_path / "cont"))
+    out = run_colocated(cont, str(tmp_path / "cont"))
     a, _ = load_drafter(str(tmp_path / "full" / "checkpoints" / "step_00000006"))
     b, _ = load_drafter(out["checkpoint"])
     for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
