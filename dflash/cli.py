@@ -32,7 +32,8 @@ def setup() -> None:
 
 
 def typed(cfg):
-    """DictConfig -> validated RunConfig, turning missing mandatory values into one clear line."""
+    """DictConfig -> validated RunConfig; a missing mandatory value becomes a ValueError naming
+    the key and how to set it (the entry points print it as one `error: ...` line, exit 2)."""
     from omegaconf.errors import MissingMandatoryValue
 
     from .config import to_run_config
@@ -48,4 +49,4 @@ def typed(cfg):
             "data.paths": "set data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
             "field), or data=selfgen for the target's own text on random prompts",
         }.get(key, f"set {key}=... on the command line")
-        raise SystemExit(f"error: missing config value {key}: {hint}") from None
+        raise ValueError(f"missing config value {key}: {hint}") from None
