@@ -67,6 +67,18 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
+    # The rest of config.json's semantics, as the reference reads them (dflash.spec):
+    # rope scaling as transformers' rope_parameters minus rope_theta, e.g.
+    # {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}.
+    rope_scaling: dict[str, Any] | None = None
+    is_causal: bool | None = (
+        None  # set: every layer causal (true) / bidirectional (false) in the block
+    )
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    attention_bias: bool = False
+    hidden_act: str = "silu"
     init_std: float = 0.02
     # Initialise from an existing drafter checkpoint directory (serving format).
     init_from: str | None = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from .blocks import build_blocks
+from .blocks import build_blocks, mask_rules
 from .data import encode_prompts, generate_greedy, random_prompts, text_prompts
 from .drafter import DFlashDrafter
 from .metrics import evaluate_prompt, summarize
@@ -186,13 +186,12 @@ def draft_all_anchors(
             valid,
             spec.block_size,
             spec.mask_token_id,
-            spec.layer_types,
-            spec.sliding_window,
+            mask_rules(spec),
         )
         emb = heads.embed(blk.block_ids_NQ).to(dtype)
         h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
-        logits = (h.to(heads.lm_head.weight.dtype) @ heads.lm_head.weight.t()).float()
+        logits = drafter.logits(h, heads.lm_head.weight)
         logp = torch.log_softmax(logits, -1)
         drafts.append(logits.argmax(-1).cpu())
         if top_k > 0:

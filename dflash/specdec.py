@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .blocks import block_attention_mask
+from .blocks import block_attention_mask, mask_rules
 from .ddtree import build_ddtree
 
 __all__ = [
@@ -385,22 +385,23 @@ class _DrafterState:
 
     def masks(self, start: int) -> dict:
         """Per layer type bool [1, 1, B, start + B]: the training/eval rule of dflash.blocks
-        (context < anchor, full layers bidirectional in the block, sliding causal + window)."""
+        (`dflash.spec.attention_rule`: context < anchor, then the layer's MaskRule)."""
         spec, dev = self.spec, self.device
         pos = torch.arange(start + 1, device=dev)[None]  # context + the anchor itself
         seg = torch.zeros_like(pos)
         anchors = torch.tensor([[start]], device=dev)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         out = {}
-        for t in set(spec.layer_types):
+        for t, r in mask_rules(spec).items():
             m = block_attention_mask(
                 anchors,
                 valid,
                 pos,
                 seg,
                 spec.block_size,
-                causal_in_block=(t == "sliding_attention"),
-                window=spec.sliding_window if t == "sliding_attention" else None,
+                causal_in_block=r.causal_in_block,
+                window=r.window,
+                window_both_sides=r.window_both_sides,
             )
             out[t] = torch.cat(
                 [m[..., :start], m[..., start + 1 :]], dim=-1
@@ -422,7 +423,7 @@ class _DrafterState:
         emb = self.target.embed_tokens(ids).to(dev, self.dtype)
         h = self.drafter(emb, _arange(start, B, dev), self.masks(start), ctx_kv=self.ctx_kv)[0, 1:]
         W = self.target.lm_head.weight
-        return (h.to(W.device, W.dtype) @ W.t()).float()
+        return self.drafter.logits(h.to(W.device), W)
 
 
 def _leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:
@@ -734,6 +735,9 @@ class OracleDrafter(torch.nn.Module):
 
     def context(self, aux):
         return self.base.context(aux)
+
+    def logits(self, h, lm_head_w):
+        return self.base.logits(h, lm_head_w)
 
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .batch import TargetBatch, add_input_noise
-from .blocks import block_labels, build_blocks, candidate_anchors, sample_anchors
+from .blocks import block_labels, build_blocks, candidate_anchors, mask_rules, sample_anchors
 from .config import DrafterConfig, TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
 from .loss import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
@@ -53,7 +53,7 @@ def resolve_spec(
         raise ValueError(f"mask token id {mask_token_id} is not < vocab size {vocab_size}")
     heads = dcfg.num_attention_heads or num_heads
     head_dim = dcfg.head_dim or hidden_size // heads
-    return DrafterSpec(
+    spec = DrafterSpec(
         hidden_size=hidden_size,
         intermediate_size=dcfg.intermediate_size or intermediate_size,
         num_hidden_layers=dcfg.num_layers,
@@ -70,7 +70,16 @@ def resolve_spec(
         rms_norm_eps=dcfg.rms_norm_eps,
         rope_theta=dcfg.rope_theta,
         max_position_embeddings=dcfg.max_position_embeddings,
+        rope_scaling=dict(dcfg.rope_scaling) if dcfg.rope_scaling else None,
+        is_causal=dcfg.is_causal,
+        input_embedding_scale=dcfg.input_embedding_scale,
+        output_multiplier=dcfg.output_multiplier,
+        final_logit_softcapping=dcfg.final_logit_softcapping,
+        attention_bias=dcfg.attention_bias,
+        hidden_act=dcfg.hidden_act,
     )
+    spec.check()
+    return spec
 
 
 compute_dtype = resolve_dtype  # same rule for the target's and the drafter's compute dtype
@@ -148,8 +157,7 @@ class DrafterTrainer:
             valid,
             self.spec.block_size,
             self.spec.mask_token_id,
-            self.spec.layer_types,
-            self.spec.sliding_window,
+            mask_rules(self.spec),
         )
         weights = self.weights_k[None, None, :] * lvalid
         return blocks, labels, lvalid, weights
@@ -175,15 +183,26 @@ class DrafterTrainer:
                 ctx_pos_NT=tb.position_ids_NT,
             )
             h_M = h.view(N, A, B, -1)[:, :, 1:][lvalid]
+            # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
             w_lm = self.heads.lm_head.weight
-            w_lm = w_lm if w_lm.dtype == h_M.dtype else w_lm.to(h_M.dtype)
+            transform = self.drafter.logit_transform
             if self.cfg.loss == "hard_ce":
                 return weighted_ce_sum(
-                    h_M, w_lm, labels[lvalid], weights[lvalid], chunk=self.cfg.lm_head_chunk
+                    h_M,
+                    w_lm,
+                    labels[lvalid],
+                    weights[lvalid],
+                    chunk=self.cfg.lm_head_chunk,
+                    logit_transform=transform,
                 )
-            th = self._target_hidden_at_labels(tb, blocks, lvalid).to(h_M.dtype)
+            th = self._target_hidden_at_labels(tb, blocks, lvalid)
             return soft_kl_sum(
-                h_M, w_lm, th, weights[lvalid], chunk=self.cfg.lm_head_chunk
+                h_M,
+                w_lm,
+                th,
+                weights[lvalid],
+                chunk=self.cfg.lm_head_chunk,
+                logit_transform=transform,
             ), h_M.new_zeros(())
 
     def _target_hidden_at_labels(self, tb, blocks, lvalid):
