@@ -52,7 +52,7 @@ def consistent_greedy(target, prompt: list[int], completion: list[int]) -> EvalI
     )
 
 
-def eval_prompts(cfg, target) -> list[list[int]]:
+def eval_prompts(cfg, target, exclude_training: bool = True) -> list[list[int]]:
     ecfg, dcfg = cfg.eval, cfg.data
     source = ecfg.source or dcfg.source
     if source == "selfgen":
@@ -61,21 +61,26 @@ def eval_prompts(cfg, target) -> list[list[int]]:
         )
     if target.tokenizer is None:
         raise ValueError(f"eval source {source!r} needs a target with a tokenizer")
-    return encode_prompts(heldout_text_prompts(cfg), target.tokenizer, cfg.target)
+    return encode_prompts(heldout_text_prompts(cfg, exclude_training), target.tokenizer, cfg.target)
 
 
 def _prompt_key(p) -> str:
     return json.dumps(p, sort_keys=True, default=str)
 
 
-def heldout_text_prompts(cfg) -> list:
+def heldout_text_prompts(cfg, exclude_training: bool = True) -> list:
     """Eval prompts that are never training prompts: from eval.paths / eval.source when they
-    name another source, else the rows of the training source after the ones training uses,
-    with any prompt that training also sees removed."""
+    name another source (refused if they overlap the training prompts), else the rows of the
+    training source after the ones training uses, with any prompt that training also sees
+    removed. exclude_training=False (a published drafter: its training prompts are unknown):
+    data.* names the eval prompts themselves, whatever data.num_samples says."""
     from dataclasses import replace
 
     ecfg, dcfg = cfg.eval, cfg.data
     source = ecfg.source or dcfg.source
+    if not exclude_training:
+        ed = replace(dcfg, source=source, paths=list(ecfg.paths or dcfg.paths))
+        return text_prompts(replace(ed, num_samples=ecfg.num_prompts, seed=ecfg.seed))
     if ecfg.paths or source != dcfg.source:
         ed = replace(
             dcfg,
@@ -84,7 +89,17 @@ def heldout_text_prompts(cfg) -> list:
             num_samples=ecfg.num_prompts,
             seed=ecfg.seed,
         )
-        return text_prompts(ed)[: ecfg.num_prompts]
+        out = text_prompts(ed)[: ecfg.num_prompts]
+        if dcfg.source != "selfgen":  # random token prompts never equal text prompts
+            seen = {_prompt_key(p) for p in text_prompts(dcfg)}
+            both = sum(_prompt_key(p) in seen for p in out)
+            if both:
+                raise ValueError(
+                    f"eval.paths/eval.source: {both} of {len(out)} eval prompts are also training "
+                    f"prompts of data.paths/data.source={dcfg.source} {list(dcfg.paths)}; point "
+                    "eval.paths at held-out prompts"
+                )
+        return out
     seen = {_prompt_key(p) for p in text_prompts(dcfg)}
     pool = text_prompts(replace(dcfg, num_samples=dcfg.num_samples + ecfg.num_prompts))
     out = [p for p in pool if _prompt_key(p) not in seen][: ecfg.num_prompts]
@@ -97,9 +112,12 @@ def heldout_text_prompts(cfg) -> list:
     return out
 
 
-def build_eval_set(cfg, target, cache_dir: str | None, log=print) -> list[EvalItem]:
+def build_eval_set(
+    cfg, target, cache_dir: str | None, log=print, exclude_training: bool = True
+) -> list[EvalItem]:
     key = json.dumps(
         {
+            "exclude_training": exclude_training,
             "eval": vars(cfg.eval),
             "data": vars(cfg.data),
             "target": vars(cfg.target),
@@ -118,7 +136,7 @@ def build_eval_set(cfg, target, cache_dir: str | None, log=print) -> list[EvalIt
             items = load_eval_set(path)
             log(f"eval: {len(items)} prompts from cache {path}")
             return items
-    prompts = eval_prompts(cfg, target)
+    prompts = eval_prompts(cfg, target, exclude_training)
     comps = generate_greedy(
         target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy"
     )

@@ -262,6 +262,11 @@ class DrafterTrainer:
                     correct_total,
                     torch.tensor(float(sum(tb.num_tokens for tb in micro)), device=self.device),
                     torch.tensor(float(sum(int(p[2].sum()) for p in prepared)), device=self.device),
+                    # a micro-batch without labels (one-token responses) still runs forward and
+                    # backward (a zero loss on the graph), so DP peers stay in lockstep
+                    torch.tensor(
+                        float(sum(int(p[2].sum()) == 0 for p in prepared)), device=self.device
+                    ),
                 ]
             )
         )
@@ -272,6 +277,7 @@ class DrafterTrainer:
             "train/grad_norm": float(grad_norm),
             "train/tokens": float(stats[2]),
             "train/labels": float(stats[3]),
+            "train/empty_micro_batches": float(stats[4]),
         }
 
     # ------------------------------------------------------------------ state
