@@ -142,6 +142,11 @@ class EvalConfig:
     source: str | None = None  # None: the training source, rows training does not use
     paths: list[str] = field(default_factory=list)
     show_rounds: int = 2  # rounds printed per prompt in the table
+    # Acceptance at temperature > 0 as the reference samples (dflash.sampling): eval/tau_t{T}
+    # per temperature; top_p / top_k apply to target and drafter alike (0 / 1.0: off).
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    top_p: float = 1.0
+    top_k: int = 0
 
 
 @dataclass
@@ -277,6 +282,12 @@ class RunConfig:
                 f"data.pack_to={self.data.pack_to} is shorter than data.max_length="
                 f"{self.data.max_length}: a full-length sample would not fit in a row; "
                 "set data.pack_to >= data.max_length or null (no packing)"
+            )
+        if any(t < 0 for t in self.eval.temperatures):
+            raise ValueError(f"eval.temperatures must be >= 0, got {list(self.eval.temperatures)}")
+        if not 0 < self.eval.top_p <= 1 or self.eval.top_k < 0:
+            raise ValueError(
+                f"eval.top_p={self.eval.top_p} must be in (0, 1] and eval.top_k={self.eval.top_k} >= 0"
             )
         if self.topology.window < 1:
             raise ValueError(f"topology.window must be >= 1, got {self.topology.window}")

@@ -74,7 +74,13 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     dev = target.device
     drafter = drafter.to(dev)
     reports, summary = evaluate(
-        drafter, Heads(target.embed_tokens, target.lm_head), items, rc.eval.budgets
+        drafter,
+        Heads(target.embed_tokens, target.lm_head),
+        items,
+        rc.eval.budgets,
+        temperatures=rc.eval.temperatures,
+        top_p=rc.eval.top_p,
+        top_k=rc.eval.top_k,
     )
     print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
     if rc.out:
