@@ -134,6 +134,8 @@ class DrafterSpec:
             else "full_attention"
             for i in range(n)
         ]
+        if "sliding_attention" not in layer_types:  # unused then: keep it as written
+            window = cfg.get("sliding_window")
         theta, scaling = _rope_from_config(cfg, heads, head_dim)
         is_causal = cfg.get("is_causal")
         softcap = knob("final_logit_softcapping")

@@ -128,7 +128,7 @@ def test_loss_uses_the_lm_head_in_its_own_dtype():
     ref.heads.lm_head.weight.data.copy_(tr.heads.lm_head.weight.float())
     ref.heads.embed.weight.data.copy_(tr.heads.embed.weight.float())
     loss32, _ = ref.forward_sums(tb, ref.prepare(tb, 0))
-    assert float(loss.detach()) == pytest.approx(float(loss32), rel=2e-2)
+    assert float(loss.detach()) == pytest.approx(float(loss32.detach()), rel=2e-2)
 
 
 def _jsonl(path, prompts):

@@ -444,3 +444,26 @@ def test_mask_rule_is_one_function():
     assert attention_rule(spec, "sliding_attention") == MaskRule(False, 6, True)
     spec.is_causal = True
     assert attention_rule(spec, "full_attention") == MaskRule(True, None, False)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(layer_types=["full_attention", "full_attention"]),
+        dict(layer_types=["sliding_attention", "sliding_attention"], sliding_window=None),
+        dict(rope_scaling={"rope_type": "linear", "factor": 2.0}, is_causal=True),
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+        dict(final_logit_softcapping=3.0, output_multiplier=0.5, hidden_act="gelu"),
+    ],
+)
+def test_spec_round_trips_through_config_json(over):
+    """to_hf_config -> from_hf_config is the identity (resume compares specs this way)."""
+    base = DrafterSpec.from_hf_config(_base_cfg())
+    spec = DrafterSpec(**{**base.as_dict(), **over})
+    assert DrafterSpec.from_hf_config(json.loads(json.dumps(spec.to_hf_config()))) == spec
