@@ -243,7 +243,19 @@ def draft_all_anchors(
 
 
 def _chunk_overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top_k):
-    """[n, D, t] acceptance probabilities for anchors s0..s0+n-1 (completion indices)."""
+    """[n, D, t] acceptance probabilities for anchors s0..s0+n-1 (completion indices), a few
+    anchors at a time: each warp holds several [rows, D, V] fp32 copies (sort for top-p)."""
+    n = q_logits_nDV.shape[0]
+    step = 8
+    return torch.cat(
+        [
+            _overlaps(q_logits_nDV[i : i + step], item, s0 + i, W, temperatures, top_p, top_k)
+            for i in range(0, n, step)
+        ]
+    )
+
+
+def _overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top_k):
     n, D, _ = q_logits_nDV.shape
     L = item.completion_ids.numel()
     rows_nD = s0 + torch.arange(n)[:, None] + torch.arange(1, D + 1)[None]  # completion index
