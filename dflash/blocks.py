@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .spec import MaskRule, mask_rules  # noqa: F401  (mask_rules: callers build `rules` with it)
+
 
 @dataclass
 class Blocks:
@@ -71,9 +73,9 @@ def build_blocks(
     valid_NA: torch.Tensor,
     block_size: int,
     mask_token_id: int,
-    layer_types: list,
-    sliding_window: int,
+    rules: dict[str, MaskRule],
 ) -> Blocks:
+    """rules: {layer_type: MaskRule}, i.e. `mask_rules(spec)`."""
     N, T = input_ids_NT.shape
     A, B = anchors_NA.shape[1], block_size
     dev = input_ids_NT.device
@@ -89,10 +91,11 @@ def build_blocks(
             position_ids_NT,
             segment_ids_NT,
             B,
-            causal_in_block=(t == "sliding_attention"),
-            window=sliding_window if t == "sliding_attention" else None,
+            causal_in_block=r.causal_in_block,
+            window=r.window,
+            window_both_sides=r.window_both_sides,
         )
-        for t in set(layer_types)
+        for t, r in rules.items()
     }
     return Blocks(anchors_NA, valid_NA, block_ids.view(N, A * B), block_pos.view(N, A * B), masks)
 
@@ -105,10 +108,13 @@ def block_attention_mask(
     block_size: int,
     causal_in_block: bool,
     window: int | None,
+    window_both_sides: bool = False,
 ) -> torch.Tensor:
-    """bool [N, 1, Q, T+Q]. Query (a, i) sees context j iff j < a, j is in a's sample and, with a
-    window, pos(a)+i - pos(j) < window; it sees block keys (a', i') iff a' == a and (full layer or
-    i' <= i). Blocks never see each other, and nothing at or after the anchor leaks in."""
+    """bool [N, 1, Q, T+Q] for one `MaskRule`. Query (a, i) sees context j iff j < a, j is in a's
+    sample and, with a window, pos(a)+i - pos(j) < window; it sees block keys (a', i') iff
+    a' == a, (not causal_in_block or i' <= i) and, with a window, i - i' < window (and
+    i' - i < window when window_both_sides). Blocks never see each other, and nothing at or
+    after the anchor leaks in."""
     N, T = position_ids_NT.shape
     A, B = anchors_NA.shape[1], block_size
     dev = anchors_NA.device
@@ -130,6 +136,11 @@ def block_attention_mask(
         if causal_in_block
         else torch.ones(B, B, dtype=torch.bool, device=dev)
     )
+    if window is not None:
+        ahead_BB = i_B[:, None] - i_B[None, :]  # q - k for query i, key i'
+        intra_BB = intra_BB & (ahead_BB < window)
+        if window_both_sides:
+            intra_BB = intra_BB & (-ahead_BB < window)
     eye_AA = torch.eye(A, dtype=torch.bool, device=dev)
     blk = eye_AA[:, None, :, None] & intra_BB[None, :, None, :]  # [A, B, A, B]
     blk = blk.reshape(A * B, A * B)[None].expand(N, -1, -1)

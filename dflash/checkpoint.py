@@ -114,8 +114,12 @@ def _set_rng_state(st: dict) -> None:
     torch.set_rng_state(st["torch"])
     random.setstate(st["python"])
     np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    if st.get("cuda") and torch.cuda.is_available():
+        # Only this rank's own device: the saving job may have seen more devices (an 8-GPU
+        # checkpoint resumed on fewer GPUs has states for devices that do not exist here).
+        dev = torch.cuda.current_device()
+        if dev < len(st["cuda"]):
+            torch.cuda.set_rng_state(st["cuda"][dev], dev)
 
 
 def save_checkpoint(
@@ -132,20 +136,26 @@ def save_checkpoint(
     final = os.path.join(root, name)
     tmp = os.path.join(root, f".{name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(tmp, drafter)  # bf16 serving weights; fp32 master weights go with the resume state
-    master = {
-        k: v.detach().to("cpu", torch.float32).clone() for k, v in drafter.state_dict().items()
-    }
-    torch.save(
-        {
-            "trainer": train_state,
-            "rng": _rng_state(),
-            "step": step,
-            "drafter_fp32": master,
-            **(extra or {}),
-        },
-        os.path.join(tmp, STATE_FILE),
-    )
+    try:
+        save_drafter(
+            tmp, drafter
+        )  # bf16 serving weights; fp32 master weights go with the resume state
+        master = {
+            k: v.detach().to("cpu", torch.float32).clone() for k, v in drafter.state_dict().items()
+        }
+        torch.save(
+            {
+                "trainer": train_state,
+                "rng": _rng_state(),
+                "step": step,
+                "drafter_fp32": master,
+                **(extra or {}),
+            },
+            os.path.join(tmp, STATE_FILE),
+        )
+    except BaseException:  # an interrupted save leaves nothing behind but the previous checkpoint
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if os.path.exists(final):  # move the old one aside first: `final` is never half-written
         old = os.path.join(root, f".{name}.old{os.getpid()}")
         os.replace(final, old)

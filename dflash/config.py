@@ -85,6 +85,18 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
+    # The rest of config.json's semantics, as the reference reads them (dflash.spec):
+    # rope scaling as transformers' rope_parameters minus rope_theta, e.g.
+    # {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}.
+    rope_scaling: dict[str, Any] | None = None
+    is_causal: bool | None = (
+        None  # set: every layer causal (true) / bidirectional (false) in the block
+    )
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    attention_bias: bool = False
+    hidden_act: str = "silu"
     init_std: float = 0.02
     # Initialise from an existing drafter checkpoint directory (serving format).
     init_from: str | None = None
@@ -227,11 +239,22 @@ class EvalConfig:
     source: str | None = None  # None: the training source, rows training does not use
     paths: list[str] = field(default_factory=list)
     show_rounds: int = 2  # rounds printed per prompt in the table
+    # Acceptance at temperature > 0 as the reference samples (dflash.sampling): eval/tau_t{T}
+    # per temperature; top_p / top_k apply to target and drafter alike (0 / 1.0: off).
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    top_p: float = 1.0
+    top_k: int = 0
 
     def validate(self) -> None:
         bad = [b for b in self.budgets if b < 1]
         if bad:
             raise ValueError(f"eval.budgets must all be >= 1 (DDTree node budgets); got {bad}")
+        if any(t < 0 for t in self.temperatures):
+            raise ValueError(f"eval.temperatures must be >= 0, got {list(self.temperatures)}")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError(
+                f"eval.top_p={self.top_p} must be in (0, 1] and eval.top_k={self.top_k} >= 0"
+            )
 
 
 @dataclass

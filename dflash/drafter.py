@@ -10,109 +10,15 @@ The drafter has no embedding and no LM head: it uses the target's, frozen, plus 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
+from .rope import Rotary, apply_rope
+from .spec import DrafterSpec
 
-@dataclass
-class DrafterSpec:
-    """Resolved drafter shape; serialises to a z-lab/vLLM/SGLang compatible Qwen3 config.json."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: list
-    num_target_layers: int
-    layer_types: list
-    sliding_window: int = 2048
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
-
-    @property
-    def num_aux(self) -> int:
-        return len(self.target_layer_ids)
-
-    def to_hf_config(self, dtype: str = "bfloat16") -> dict:
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "layer_types": list(self.layer_types),
-            "sliding_window": self.sliding_window,
-            "use_sliding_window": any(t == "sliding_attention" for t in self.layer_types),
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "target_layer_ids": list(self.target_layer_ids),
-                "mask_token_id": self.mask_token_id,
-            },
-            "torch_dtype": dtype,
-        }
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> DrafterSpec:
-        """Read a serving-format config.json; layer ids always come from the checkpoint."""
-        dc = cfg.get("dflash_config") or {}
-        if "target_layer_ids" not in dc:
-            raise ValueError(
-                "config.json has no dflash_config.target_layer_ids; not a DFlash drafter"
-            )
-        if "mask_token_id" not in dc and "mask_token_id" not in cfg:
-            raise ValueError(
-                "config.json has no dflash_config.mask_token_id; the drafter's mask token "
-                "must come from the checkpoint"
-            )
-        n = int(cfg["num_hidden_layers"])
-        layer_types = cfg.get("layer_types")
-        if not layer_types:
-            sliding = cfg.get("use_sliding_window", False) and cfg.get("sliding_window")
-            layer_types = ["sliding_attention" if sliding else "full_attention"] * n
-        rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)
-        heads = int(cfg["num_attention_heads"])
-        return cls(
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=n,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-            vocab_size=int(cfg["vocab_size"]),
-            block_size=int(cfg.get("block_size", 16)),
-            mask_token_id=int(dc.get("mask_token_id", cfg.get("mask_token_id"))),
-            target_layer_ids=[int(i) for i in dc["target_layer_ids"]],
-            num_target_layers=int(cfg.get("num_target_layers", -1)),
-            layer_types=list(layer_types),
-            sliding_window=int(cfg.get("sliding_window") or 2048),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-        )
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+__all__ = ["DFlashDrafter", "DrafterSpec", "Rotary", "num_params"]
 
 
 class RMSNorm(nn.Module):
@@ -128,23 +34,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """pos [..., L] -> cos, sin [..., L, d] (Qwen3 / Llama rotate-half convention)."""
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = pos.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, h, L, d]; cos/sin [N, L, d]."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class DFlashAttention(nn.Module):
     def __init__(self, spec: DrafterSpec):
         super().__init__()
@@ -155,10 +44,11 @@ class DFlashAttention(nn.Module):
             spec.head_dim,
         )
         self.num_heads, self.num_kv, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(H, h * d, bias=False)
-        self.k_proj = nn.Linear(H, kv * d, bias=False)
-        self.v_proj = nn.Linear(H, kv * d, bias=False)
-        self.o_proj = nn.Linear(h * d, H, bias=False)
+        bias = spec.attention_bias
+        self.q_proj = nn.Linear(H, h * d, bias=bias)
+        self.k_proj = nn.Linear(H, kv * d, bias=bias)
+        self.v_proj = nn.Linear(H, kv * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, H, bias=bias)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
 
@@ -194,9 +84,10 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DFlashLayer(nn.Module):
@@ -223,6 +114,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(spec, t) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = Rotary(spec)
 
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
         for name, p in self.named_parameters():
@@ -239,7 +131,7 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, ctx_NTH: torch.Tensor, ctx_pos_NT: torch.Tensor) -> list:
         """Per-layer K/V of the context; independent of the block, so inference can cache it."""
-        cos, sin = rope_cos_sin(ctx_pos_NT, self.spec.head_dim, self.spec.rope_theta, ctx_NTH.dtype)
+        cos, sin = self.rotary.cos_sin(ctx_pos_NT, ctx_NTH.dtype)
         return [layer.self_attn.project_kv(ctx_NTH, cos, sin) for layer in self.layers]
 
     def forward(
@@ -253,16 +145,35 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Returns the normed final hidden states of the block queries [N, Q, H].
 
-        masks: {layer_type: bool [N, 1, Q, T + Q]} (True = may attend), context keys first.
+        block_emb_NQH: the target's input embeddings of the block ids (x input_embedding_scale
+        here, so every caller gets it). masks: {layer_type: bool [N, 1, Q, T + Q]} (True = may
+        attend), context keys first, built from `dflash.spec.attention_rule`.
         Either aux_NTF + ctx_pos_NT (training, eval) or a precomputed ctx_kv (cached inference).
         """
         if ctx_kv is None:
             ctx_kv = self.context_kv(self.context(aux_NTF), ctx_pos_NT)
         h = block_emb_NQH
-        q_cos, q_sin = rope_cos_sin(block_pos_NQ, self.spec.head_dim, self.spec.rope_theta, h.dtype)
+        if self.spec.input_embedding_scale != 1.0:
+            h = h * self.spec.input_embedding_scale
+        q_cos, q_sin = self.rotary.cos_sin(block_pos_NQ, h.dtype)
         for layer, kv in zip(self.layers, ctx_kv):
             h = layer(h, kv, q_cos, q_sin, masks[layer.layer_type])
         return self.norm(h)
+
+    def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """config.json's output_multiplier and final_logit_softcapping, on fp32 logits."""
+        if self.spec.output_multiplier != 1.0:
+            logits = logits * self.spec.output_multiplier
+        c = self.spec.final_logit_softcapping
+        if c is not None:
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+    def logits(self, h: torch.Tensor, lm_head_w_VH: torch.Tensor) -> torch.Tensor:
+        """fp32 draft logits through the target's lm_head, in the head's own dtype (no copy of
+        the [V, H] weight) -- the one place eval and decoding make drafter logits (training's
+        chunked loss applies the same `logit_transform`)."""
+        return self.logit_transform((h.to(lm_head_w_VH.dtype) @ lm_head_w_VH.t()).float())
 
 
 def num_params(module: nn.Module) -> int:

@@ -62,12 +62,26 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
                 f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
                 f"eval source {rc.eval.source or rc.data.source})"
             )
+    if prev is None:
+        print(
+            "no run config next to the checkpoint (a published drafter): its training prompts "
+            f"are unknown, so the eval prompts are the first eval.num_prompts={rc.eval.num_prompts} "
+            "rows of eval.paths (or data.paths)"
+        )
     target = _target_for(rc, spec)
-    items = build_eval_set(rc, target, os.path.join(out_dir, "data"), log=print)
+    items = build_eval_set(
+        rc, target, os.path.join(out_dir, "data"), log=print, exclude_training=prev is not None
+    )
     dev = target.device
     drafter = drafter.to(dev)
     reports, summary = evaluate(
-        drafter, Heads(target.embed_tokens, target.lm_head), items, rc.eval.budgets
+        drafter,
+        Heads(target.embed_tokens, target.lm_head),
+        items,
+        rc.eval.budgets,
+        temperatures=rc.eval.temperatures,
+        top_p=rc.eval.top_p,
+        top_k=rc.eval.top_k,
     )
     print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
     if rc.out:

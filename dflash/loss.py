@@ -29,8 +29,15 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
     return torch.exp(-(k - 1) / g)
 
 
-def _ce_chunk(h_MH, w_VH, labels_M, weights_M):
-    logits = (h_MH @ w_VH.t()).float()
+def head_logits(h_MH, w_VH, logit_transform=None):
+    """fp32 logits through the frozen head in the head's own dtype: the hidden chunk is cast,
+    never the [V, H] weight (a bf16 27B head is 2.5 GB; an fp32 copy per micro-batch is 5 GB)."""
+    logits = (h_MH.to(w_VH.dtype) @ w_VH.t()).float()
+    return logit_transform(logits) if logit_transform is not None else logits
+
+
+def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None):
+    logits = head_logits(h_MH, w_VH, logit_transform)
     ce = F.cross_entropy(logits, labels_M, reduction="none")
     correct = (logits.argmax(-1) == labels_M).float()
     return (ce * weights_M).sum(), (correct * weights_M).sum().detach()
@@ -43,11 +50,14 @@ def weighted_ce_sum(
     weights_M: torch.Tensor,
     *,
     chunk: int = 4096,
+    logit_transform=None,
 ):
     """Hard CE against the target's greedy tokens, weighted, summed. The [M, V] logits are built
     chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
-    Returns (loss_sum, weighted_correct_sum)."""
-    loss = h_MH.new_zeros((), dtype=torch.float32)
+    logit_transform: the drafter's (output multiplier, softcapping) on fp32 logits.
+    Returns (loss_sum, weighted_correct_sum). With M = 0 the sum is a zero that is still
+    connected to h's graph, so backward (and a DDP all-reduce) runs like any other micro-batch."""
+    loss = _graph_zero(h_MH)
     correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
     for i in range(0, h_MH.shape[0], chunk):
         args = (
@@ -55,6 +65,7 @@ def weighted_ce_sum(
             lm_head_w_VH,
             labels_M[i : i + chunk],
             weights_M[i : i + chunk],
+            logit_transform,
         )
         if torch.is_grad_enabled() and h_MH.requires_grad:
             l, c = checkpoint(_ce_chunk, *args, use_reentrant=False)
@@ -65,6 +76,10 @@ def weighted_ce_sum(
     return loss, correct
 
 
+def _graph_zero(h: torch.Tensor) -> torch.Tensor:
+    return h.sum().float() * 0.0 if h.requires_grad else h.new_zeros((), dtype=torch.float32)
+
+
 def soft_kl_sum(
     h_MH: torch.Tensor,
     lm_head_w_VH: torch.Tensor,
@@ -72,15 +87,17 @@ def soft_kl_sum(
     weights_M: torch.Tensor,
     *,
     chunk: int = 4096,
+    logit_transform=None,
 ):
     """KL(target || drafter) weighted sum; only reachable with train.allow_soft_loss=true.
-    Target logits come from the clean final hidden state through the same frozen lm_head."""
-    loss = h_MH.new_zeros((), dtype=torch.float32)
+    Target logits come from the clean final hidden state through the same frozen lm_head
+    (the drafter's logit transform applies to the drafter's side only)."""
+    loss = _graph_zero(h_MH)
     for i in range(0, h_MH.shape[0], chunk):
 
         def f(h, th, w):
-            lp = F.log_softmax((h @ lm_head_w_VH.t()).float(), -1)
-            tp = F.log_softmax((th @ lm_head_w_VH.t()).float(), -1)
+            lp = F.log_softmax(head_logits(h, lm_head_w_VH, logit_transform), -1)
+            tp = F.log_softmax(head_logits(th, lm_head_w_VH), -1)
             return (F.kl_div(lp, tp, log_target=True, reduction="none").sum(-1) * w).sum()
 
         args = (h_MH[i : i + chunk], target_h_MH[i : i + chunk], weights_M[i : i + chunk])

@@ -26,6 +26,7 @@ def print_report(
         "rounds",
         "streak",
         "tau",
+        *sorted(k for k in summary if k.startswith("tau_t")),
         *[f"dds@{b}" for b in budgets],
         "first rounds",
     ]:
@@ -49,6 +50,7 @@ def print_report(
         "num_rounds",
         "streak",
         "tau",
+        *sorted(k for k in summary if k.startswith("tau_t")),
         *[f"dds@{b}" for b in budgets],
         *[f"tau@{b}" for b in budgets],
         *sorted(

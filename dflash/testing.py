@@ -94,6 +94,9 @@ class OracleDrafter(torch.nn.Module):
     def context(self, aux):
         return self.base.context(aux)
 
+    def logits(self, h, lm_head_w):
+        return self.base.logits(h, lm_head_w)
+
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)
 

@@ -14,7 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .batch import TargetBatch, add_input_noise
-from .blocks import Blocks, block_labels, build_blocks, candidate_anchors, sample_anchors
+from .blocks import (
+    Blocks,
+    block_labels,
+    build_blocks,
+    candidate_anchors,
+    mask_rules,
+    sample_anchors,
+)
 from .config import TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
 from .loss import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
@@ -112,8 +119,7 @@ class DrafterTrainer:
             valid,
             self.spec.block_size,
             self.spec.mask_token_id,
-            self.spec.layer_types,
-            self.spec.sliding_window,
+            mask_rules(self.spec),
         )
         return Prepared(blocks, labels, lvalid, self.weights_k[None, None, :] * lvalid)
 
@@ -139,15 +145,26 @@ class DrafterTrainer:
                 ctx_pos_NT=tb.position_ids_NT,
             )
             h_M = h.view(N, A, B, -1)[:, :, 1:][lvalid]
+            # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
             w_lm = self.heads.lm_head.weight
-            w_lm = w_lm if w_lm.dtype == h_M.dtype else w_lm.to(h_M.dtype)
+            transform = self.drafter.logit_transform
             if self.cfg.loss == "hard_ce":
                 return weighted_ce_sum(
-                    h_M, w_lm, labels[lvalid], weights[lvalid], chunk=self.cfg.lm_head_chunk
+                    h_M,
+                    w_lm,
+                    labels[lvalid],
+                    weights[lvalid],
+                    chunk=self.cfg.lm_head_chunk,
+                    logit_transform=transform,
                 )
-            th = self._target_hidden_at_labels(tb, blocks, lvalid).to(h_M.dtype)
+            th = self._target_hidden_at_labels(tb, blocks, lvalid)
             return soft_kl_sum(
-                h_M, w_lm, th, weights[lvalid], chunk=self.cfg.lm_head_chunk
+                h_M,
+                w_lm,
+                th,
+                weights[lvalid],
+                chunk=self.cfg.lm_head_chunk,
+                logit_transform=transform,
             ), h_M.new_zeros(())
 
     def _target_hidden_at_labels(self, tb, blocks, lvalid):
@@ -210,6 +227,12 @@ class DrafterTrainer:
                         float(sum(int(p.label_valid_NAK.sum()) for p in prepared)),
                         device=self.device,
                     ),
+                    # a micro-batch without labels (one-token responses) still runs forward and
+                    # backward (a zero loss on the graph), so DP peers stay in lockstep
+                    torch.tensor(
+                        float(sum(int(p.label_valid_NAK.sum()) == 0 for p in prepared)),
+                        device=self.device,
+                    ),
                 ]
             )
         )
@@ -220,6 +243,7 @@ class DrafterTrainer:
             "train/grad_norm": float(grad_norm),
             "train/tokens": float(stats[2]),
             "train/labels": float(stats[3]),
+            "train/empty_micro_batches": float(stats[4]),
         }
 
     # ------------------------------------------------------------------ state

@@ -35,7 +35,13 @@ def test_serving_format(tiny_qwen, tmp_path):
     save_drafter(str(tmp_path), d)
     cfg = json.load(open(tmp_path / "config.json"))
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
-    assert cfg["dflash_config"] == {"target_layer_ids": tiny_qwen.layer_ids, "mask_token_id": 511}
+    assert cfg["dflash_config"] == {
+        "target_layer_ids": tiny_qwen.layer_ids,
+        "mask_token_id": 511,
+        "block_size": 4,
+        "input_embedding_scale": 1.0,
+        "output_multiplier": 1.0,
+    }
     assert cfg["block_size"] == 4 and cfg["layer_types"] == ["sliding_attention", "full_attention"]
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
@@ -60,7 +66,7 @@ def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
 
 def test_eval_drafts_equal_training_path(tiny_qwen):
     """The eval's cached-context pass gives the same predictions as the training forward."""
-    from dflash.blocks import build_blocks
+    from dflash.blocks import build_blocks, mask_rules
 
     d = make_drafter(tiny_qwen, block_size=4)
     g = torch.Generator().manual_seed(0)
@@ -78,8 +84,7 @@ def test_eval_drafts_equal_training_path(tiny_qwen):
         torch.ones_like(anchors, dtype=torch.bool),
         4,
         511,
-        d.spec.layer_types,
-        d.spec.sliding_window,
+        mask_rules(d.spec),
     )
     with torch.no_grad():
         h = d(

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_drafter
 
-from dflash.blocks import block_attention_mask, build_blocks, candidate_anchors
+from dflash.blocks import block_attention_mask, build_blocks, candidate_anchors, mask_rules
 from dflash.drafter import DFlashDrafter
 from dflash.shape import TargetShape
 
@@ -33,8 +33,7 @@ def _forward(drafter, embed, ids, aux, pos, seg, anchors):
         valid,
         spec.block_size,
         spec.mask_token_id,
-        spec.layer_types,
-        spec.sliding_window,
+        mask_rules(spec),
     )
     h = drafter(embed(blk.block_ids_NQ), blk.block_pos_NQ, blk.masks, aux_NTF=aux, ctx_pos_NT=pos)
     return h.view(anchors.shape[1], spec.block_size, -1)

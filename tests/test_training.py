@@ -1,6 +1,8 @@
 """Training guarantees: exact gradient accumulation, clean labels under noise, loss math,
 save -> resume -> continue equals an uninterrupted run."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,12 +78,17 @@ def test_train_step_accumulation_matches_big_batch(tiny_qwen):
 def test_noise_never_touches_labels(tiny_qwen):
     s = _samples(tiny_qwen)
     tb = target_forward(tiny_qwen, collate(s))
+    clean_labels, clean_aux = tb.next_token_NT.clone(), tb.aux_NTF.clone()
     noisy = add_input_noise(tb, 0.5, torch.Generator().manual_seed(0))
-    assert torch.equal(noisy.next_token_NT, tb.next_token_NT)
-    assert not torch.allclose(noisy.aux_NTF, tb.aux_NTF)
+    # values, against copies taken before: the batches share tensors (dataclasses.replace)
+    assert torch.equal(noisy.next_token_NT, clean_labels)
+    assert torch.equal(tb.aux_NTF, clean_aux) and not torch.allclose(noisy.aux_NTF, clean_aux)
     tr = _trainer(tiny_qwen, make_drafter(tiny_qwen), noise_std=0.5)
     with pytest.raises(ValueError, match="clean target forward"):
         tr.prepare(noisy, 0)
+    # a noised training step leaves the batch's labels (and clean aux) as they were
+    tr.train_step([tb])
+    assert torch.equal(tb.next_token_NT, clean_labels) and torch.equal(tb.aux_NTF, clean_aux)
     # labels are the clean target's greedy tokens: next_token[a+k-1]
     prep = tr.prepare(tb, 0)
     valid = prep.label_valid_NAK
@@ -139,7 +146,6 @@ def _run_cfg(tmp_path, steps, resume=None, **train):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    from dflash.checkpoint import load_drafter
     from dflash.colocated import run_colocated
 
     full = _run_cfg(tmp_path, 6)
@@ -148,10 +154,17 @@ def test_resume_equals_uninterrupted(tmp_path):
     # a fresh process would see steps=6 and resume from step 4 of the partial run
     cont = _run_cfg(tmp_path, 6, resume=str(tmp_path / "part" / "checkpoints" / "step_00000004"))
     out = run_colocated(cont, str(tmp_path / "cont"))
-    a, _ = load_drafter(str(tmp_path / "full" / "checkpoints" / "step_00000006"))
-    b, _ = load_drafter(out["checkpoint"])
-    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        assert torch.allclose(x, y, atol=1e-6), k
+    # the fp32 master weights (what training continues from), not the bf16 serving copy
+    a = _master(tmp_path / "full" / "checkpoints" / "step_00000006")
+    b = _master(out["checkpoint"])
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-7), (k, (a[k] - b[k]).abs().max())
     # and the stop point differs from the end point (the test is not vacuous)
-    c, _ = load_drafter(str(tmp_path / "part" / "checkpoints" / "step_00000004"))
-    assert not torch.allclose(c.fc.weight, a.fc.weight)
+    c = _master(tmp_path / "part" / "checkpoints" / "step_00000004")
+    assert not torch.allclose(c["fc.weight"], a["fc.weight"])
+
+
+def _master(step_dir) -> dict:
+    from dflash.checkpoint import STATE_FILE
+
+    return torch.load(os.path.join(step_dir, STATE_FILE), weights_only=False)["drafter_fp32"]

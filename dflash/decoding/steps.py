@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..blocks import block_attention_mask
+from ..blocks import block_attention_mask, mask_rules
 from .cache import cache_kw
 
 
@@ -136,22 +136,23 @@ class DrafterState:
 
     def masks(self, start: int) -> dict:
         """Per layer type bool [1, 1, B, start + B]: the training/eval rule of dflash.blocks
-        (context < anchor, full layers bidirectional in the block, sliding causal + window)."""
+        (`dflash.spec.attention_rule`: context < anchor, then the layer's MaskRule)."""
         spec, dev = self.spec, self.device
         pos = torch.arange(start + 1, device=dev)[None]  # context + the anchor itself
         seg = torch.zeros_like(pos)
         anchors = torch.tensor([[start]], device=dev)
         valid = torch.ones_like(anchors, dtype=torch.bool)
         out = {}
-        for t in set(spec.layer_types):
+        for t, r in mask_rules(spec).items():
             m = block_attention_mask(
                 anchors,
                 valid,
                 pos,
                 seg,
                 spec.block_size,
-                causal_in_block=(t == "sliding_attention"),
-                window=spec.sliding_window if t == "sliding_attention" else None,
+                causal_in_block=r.causal_in_block,
+                window=r.window,
+                window_both_sides=r.window_both_sides,
             )
             out[t] = torch.cat(
                 [m[..., :start], m[..., start + 1 :]], dim=-1
@@ -175,7 +176,7 @@ class DrafterState:
             0, 1:
         ]
         W = self.target.lm_head.weight
-        return (h.to(W.device, W.dtype) @ W.t()).float()
+        return self.drafter.logits(h.to(W.device), W)
 
 
 def leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:
