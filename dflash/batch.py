@@ -34,11 +34,20 @@ class TokenBatch:
         return replace(
             self,
             **{
-                f.name: getattr(self, f.name).to(device)
+                f.name: _to_device(getattr(self, f.name), device)
                 for f in fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
         )
+
+
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """Host -> GPU through pinned memory, asynchronously: a copy from pageable memory waits for
+    the GPU queue to reach it, which stalls the host behind the previous step's kernels."""
+    device = torch.device(device)
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 @dataclass
@@ -96,43 +105,73 @@ def collate(samples: list[Sample], pad_id: int = 0, pack_to: int | None = None) 
     return TokenBatch(ids, pos, seg, lm, torch.tensor(order, dtype=torch.long), seeds)
 
 
-def unpack(batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """Rows -> one right-padded row per sample: ids [S, L], attention mask [S, L], and for each
-    sample (row, start, length) to scatter results back."""
+def sample_spans(segment_ids_NT: torch.Tensor) -> list:
+    """(row, start, length) of every sample, in order of appearance. Read from a host copy of
+    the segment ids (free when the batch is still on the CPU; one copy otherwise)."""
+    seg = segment_ids_NT.cpu()
     spans = []
-    for r in range(batch.input_ids_NT.shape[0]):
-        seg = batch.segment_ids_NT[r]
-        for s in seg[seg >= 0].unique(sorted=True).tolist():
-            idx = (seg == s).nonzero().flatten()
-            spans.append((r, int(idx[0]), int(idx.numel())))
+    for r in range(seg.shape[0]):
+        row = seg[r]
+        # samples are contiguous runs of one segment id; -1 is padding
+        change = torch.ones(row.numel(), dtype=torch.bool)
+        change[1:] = row[1:] != row[:-1]
+        starts = change.nonzero().flatten().tolist()
+        ends = starts[1:] + [row.numel()]
+        ids = row[starts].tolist() if starts else []
+        spans += [(r, o, e - o) for o, e, s in zip(starts, ends, ids) if s >= 0]
+    return spans
+
+
+def _span_index(spans: list, device) -> tuple:
+    """Index tensors that move every sample between its row slot and its own row."""
+    rows, cols, src_s, src_l = [], [], [], []
+    for i, (r, o, n) in enumerate(spans):
+        rows.append(torch.full((n,), r))
+        cols.append(torch.arange(o, o + n))
+        src_s.append(torch.full((n,), i))
+        src_l.append(torch.arange(n))
+    cat = lambda xs: torch.cat(xs).to(device, non_blocking=True)  # noqa: E731
+    return cat(rows), cat(cols), cat(src_s), cat(src_l)
+
+
+def unpack(batch: TokenBatch, spans: list | None = None):
+    """Rows -> one right-padded row per sample: ids [S, L], attention mask [S, L] (None when no
+    sample is padded), for each sample (row, start, length), and the index tensors repack uses."""
+    spans = sample_spans(batch.segment_ids_NT) if spans is None else spans
     L = max(n for _, _, n in spans)
-    ids = torch.zeros(len(spans), L, dtype=torch.long, device=batch.input_ids_NT.device)
-    att = torch.zeros(len(spans), L, dtype=torch.long, device=batch.input_ids_NT.device)
-    for i, (r, o, n) in enumerate(spans):
-        ids[i, :n] = batch.input_ids_NT[r, o : o + n]
-        att[i, :n] = 1
-    return ids, att, spans
+    dev = batch.input_ids_NT.device
+    index = _span_index(spans, dev)
+    r, c, si, sl = index
+    ids = torch.zeros(len(spans), L, dtype=torch.long, device=dev)
+    ids[si, sl] = batch.input_ids_NT[r, c]
+    att = None
+    if any(n < L for _, _, n in spans):
+        att = torch.zeros(len(spans), L, dtype=torch.long, device=dev)
+        att[si, sl] = 1
+    return ids, att, spans, index
 
 
-def repack(x_SL: torch.Tensor, spans: list, N: int, T: int, fill=0) -> torch.Tensor:
+def repack(x_SL: torch.Tensor, index: tuple, N: int, T: int, fill=0) -> torch.Tensor:
+    r, c, si, sl = (t.to(x_SL.device) for t in index)
     out = x_SL.new_full((N, T) + tuple(x_SL.shape[2:]), fill)
-    for i, (r, o, n) in enumerate(spans):
-        out[r, o : o + n] = x_SL[i, :n]
+    out[r, c] = x_SL[si, sl]
     return out
 
 
 def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -> TargetBatch:
-    """Run the clean target forward for a (possibly packed) batch, sample by sample."""
+    """Run the clean target forward for a (possibly packed) batch, sample by sample. Pass the
+    batch while it is still on the CPU: the sample spans are then read without a device sync
+    and the tokens move to the target's device once."""
     N, T = batch.input_ids_NT.shape
-    ids, att, spans = unpack(batch)
-    out = target.capture(
-        ids, att if bool((att == 0).any()) else None, with_final_hidden=with_final_hidden
-    )
+    spans = sample_spans(batch.segment_ids_NT)
+    batch = batch.to(target.device)
+    ids, att, spans, index = unpack(batch, spans)
+    out = target.capture(ids, att, with_final_hidden=with_final_hidden)
     tb = TargetBatch(**{f.name: getattr(batch, f.name) for f in fields(TokenBatch)})
-    tb.aux_NTF = repack(out.aux_NTF, spans, N, T)
-    tb.next_token_NT = repack(out.next_token_NT, spans, N, T)
+    tb.aux_NTF = repack(out.aux_NTF, index, N, T)
+    tb.next_token_NT = repack(out.next_token_NT, index, N, T)
     if out.final_hidden_NTH is not None:
-        tb.final_hidden_NTH = repack(out.final_hidden_NTH, spans, N, T)
+        tb.final_hidden_NTH = repack(out.final_hidden_NTH, index, N, T)
     return tb
 
 

@@ -46,8 +46,9 @@ def sample_anchors(candidates_NT: torch.Tensor, max_anchors: int, seeds_N: list[
     """Uniform without replacement, per row from its own seed (so a row's anchors do not depend on
     how rows are grouped into micro-batches or ranks). Returns anchors_NA, valid_NA (A = max count)."""
     rows = []
-    for n in range(candidates_NT.shape[0]):
-        idx = candidates_NT[n].nonzero().flatten().cpu()
+    cand = candidates_NT.cpu()  # one device->host copy for the batch, not one per row
+    for n in range(cand.shape[0]):
+        idx = cand[n].nonzero().flatten()
         if idx.numel() > max_anchors:
             g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
             idx = idx[torch.randperm(idx.numel(), generator=g)[:max_anchors]].sort().values

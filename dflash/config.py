@@ -192,6 +192,7 @@ class TrainConfig:
     noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
     lm_head_chunk: int = 2048  # positions per chunk of the (checkpointed) lm_head + CE
+    attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100

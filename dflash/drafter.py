@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from .flex_attn import flex_attention, is_block_mask
 from .rope import Rotary, apply_rope
 from .spec import DrafterSpec
 
@@ -69,6 +70,9 @@ class DFlashAttention(nn.Module):
         k_ctx, v_ctx = ctx_kv
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
+        if is_block_mask(mask_N1QK):  # block-sparse kernel; GQA without expanding K/V
+            out = flex_attention(q, k, v, mask_N1QK)
+            return self.o_proj(out.transpose(1, 2).reshape(N, Q, -1))
         if self.num_heads != self.num_kv:
             # Expanded explicitly: with enable_gqa only cuDNN takes a mask efficiently; the math
             # fallback then materialises [N, h, Q, T+Q] scores (44 GiB per layer at 27B scale).
@@ -147,7 +151,8 @@ class DFlashDrafter(nn.Module):
 
         block_emb_NQH: the target's input embeddings of the block ids (x input_embedding_scale
         here, so every caller gets it). masks: {layer_type: bool [N, 1, Q, T + Q]} (True = may
-        attend), context keys first, built from `dflash.spec.attention_rule`.
+        attend), context keys first, built from `dflash.spec.attention_rule`. Or the same rule as a flex
+        BlockMask (flex_attn.to_kernel_masks).
         Either aux_NTF + ctx_pos_NT (training, eval) or a precomputed ctx_kv (cached inference).
         """
         if ctx_kv is None:

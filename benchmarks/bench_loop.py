@@ -1,0 +1,287 @@
+"""The colocated training loop on one GPU, in one process: target capture alone, the drafter
+step alone, and the loop (capture + step), each as tokens/s and TFLOP/s (from the model shapes)
+against a bf16 matmul peak measured in the same run, with peak memory, and the loop's ratio to
+the ideal 1 / (1/capture + 1/step).
+
+  python benchmarks/bench_loop.py --target smollm2_135m
+  python benchmarks/bench_loop.py --target qwen3_6_27b_random --rows 1 --seq 3072 --anchors 512
+
+Real weights are used when present locally (smollm2_135m, qwen2_5_coder_0_5b); otherwise the
+same config with random bf16 weights (reported as `weights: random`): throughput does not depend
+on the weights. Synthetic samples: lengths uniform in [seq/2, seq], the first quarter prompt.
+DFLASH_ROOT=<checkout> runs the same benchmark against another checkout's dflash package.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("DFLASH_ROOT"):
+    sys.path.insert(0, os.path.abspath(os.environ["DFLASH_ROOT"]))
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from bench_target import forward_flops_per_token
+from common import matmul_peak_tflops, report, sync
+
+if os.environ.get("DFLASH_ROOT"):  # common.py put this checkout first: undo for dflash
+    sys.path.insert(0, os.path.abspath(os.environ["DFLASH_ROOT"]))
+
+# Published configs (random-weight stand-ins when the weights are not on this machine).
+HF_CONFIGS = {
+    "smollm2_135m": dict(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+    ),
+    "qwen2_5_coder_0_5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+TARGETS = {  # name -> (target yaml, drafter yaml or None = 3 full-attention layers, mask id)
+    "tiny": ("tiny_llama", "tiny", None),
+    "smollm2_135m": ("smollm2_135m", None, 16),
+    "qwen2_5_coder_0_5b": ("qwen2_5_coder_0_5b", None, 151662),
+    "qwen3_6_27b_random": ("qwen3_6_27b_random", "qwen3_6_27b", None),
+}
+
+
+def build_target(name: str, backend: str):
+    from dflash.config import TargetConfig
+    from dflash.target import load_conf, load_target
+
+    yaml_name, _, mask_id = TARGETS[name]
+    raw = load_conf("target", yaml_name)
+    weights = "random" if raw.get("config") else "real"
+    if name in HF_CONFIGS:
+        path = os.path.expanduser(str(raw.get("path", "")))
+        if not os.path.exists(os.path.join(path, raw.get("gguf_file") or "config.json")):
+            raw = {"name": name, "config": HF_CONFIGS[name], "mask_token_id": mask_id}
+            weights = "random"
+    raw.update(device="cuda" if torch.cuda.is_available() else "cpu", dtype="auto")
+    raw["linear_attn_backend"] = backend
+    fields = {f.name for f in dataclasses.fields(TargetConfig)}
+    tcfg = TargetConfig(**{k: v for k, v in raw.items() if k in fields})
+    return load_target(tcfg, num_aux=3 if TARGETS[name][1] != "qwen3_6_27b" else 5), weights
+
+
+def build_drafter(name: str, target):
+    from dflash.config import DrafterConfig
+    from dflash.drafter import DFlashDrafter
+    from dflash.target import load_conf
+    from dflash.trainer import resolve_spec
+
+    dname = TARGETS[name][1]
+    raw = load_conf("drafter", dname) if dname else dict(num_layers=3, block_size=16)
+    raw["target_layer_ids"] = list(target.layer_ids)
+    fields = {f.name for f in dataclasses.fields(DrafterConfig)}
+    dcfg = DrafterConfig(**{k: v for k, v in raw.items() if k in fields})
+    mc = target.model.config
+    spec = resolve_spec(
+        dcfg,
+        target.num_layers,
+        target.hidden_size,
+        target.vocab_size,
+        int(mc.intermediate_size),
+        int(mc.num_attention_heads),
+        int(getattr(mc, "num_key_value_heads", 0) or 0),
+        target.mask_token_id,
+    )
+    if dname is None:  # the target's own head layout for the small drafters
+        spec.head_dim = int(
+            getattr(mc, "head_dim", None) or mc.hidden_size // spec.num_attention_heads
+        )
+    d = DFlashDrafter(spec)
+    d.init_weights(0.02, torch.Generator().manual_seed(0))
+    return d
+
+
+def make_samples(n: int, seq: int, vocab: int, mask_id: int, seed: int):
+    from dflash.batch import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = int(torch.randint(seq // 2, seq + 1, (1,), generator=g))
+        ids = torch.randint(0, vocab - 1, (L,), generator=g)
+        ids[ids == mask_id] = (mask_id + 1) % vocab
+        lm = torch.zeros(L, dtype=torch.bool)
+        lm[L // 4 :] = True
+        out.append(Sample(i, ids, lm))
+    return out
+
+
+def drafter_step_flops(spec, tb, prepared) -> float:
+    """Model FLOPs of one train step (forward x 3), counting only visible attention pairs."""
+    blocks, labels, lvalid, _ = prepared
+    H, L, h, kv, d = (
+        spec.hidden_size,
+        spec.num_hidden_layers,
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+        spec.head_dim,
+    )
+    B, V, I = spec.block_size, spec.vocab_size, spec.intermediate_size
+    ctx_tokens = int((tb.segment_ids_NT >= 0).sum())
+    valid = blocks.valid_NA
+    nq = int(valid.sum()) * B
+    apos = tb.position_ids_NT.gather(1, blocks.anchors_NA)[valid].double()
+    vis = 0.0
+    for t in spec.layer_types:
+        ctx = apos.clamp(max=spec.sliding_window) if t == "sliding_attention" else apos
+        blk = B * (B + 1) / 2 if t == "sliding_attention" else B * B
+        vis += float(ctx.sum()) * B + blk * apos.numel()
+    fwd = ctx_tokens * (spec.num_aux * H * H + L * 2 * H * kv * d)
+    fwd += nq * L * (2 * H * h * d + 2 * H * kv * d + 3 * H * I)
+    fwd += vis * h * d * 2
+    fwd += int(lvalid.sum()) * H * V
+    return 3 * 2 * fwd
+
+
+def throughput(fn, n: int, warmup: int, dev) -> float:
+    """Seconds per call over n back-to-back calls (one sync at the end, as in a real loop)."""
+    for i in range(warmup):
+        fn(i)
+    sync(dev)
+    t = time.perf_counter()
+    for i in range(n):
+        fn(i)
+    sync(dev)
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--target", default="tiny", choices=sorted(TARGETS))
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--anchors", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel (this branch)")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of loop steps")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import dflash.batch as dbatch
+    from dflash.config import TrainConfig
+    from dflash.drafter import num_params
+    from dflash.trainer import DrafterTrainer, Heads
+
+    target, weights = build_target(args.target, args.backend)
+    dev = target.device
+    drafter = build_drafter(args.target, target)
+    tc = dict(max_anchors=args.anchors, steps=10_000, attn_kernel=args.attn_kernel)
+    tc = {k: v for k, v in tc.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+    tr = DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), TrainConfig(**tc), dev)
+    peak = matmul_peak_tflops(dev)
+    nb = 8  # distinct micro-batches, rotated
+    samples = make_samples(
+        nb * args.rows, args.seq, target.vocab_size, target.mask_token_id, seed=0
+    )
+    cpu_batches = [
+        dbatch.collate(samples[i * args.rows : (i + 1) * args.rows], pad_id=target.mask_token_id)
+        for i in range(nb)
+    ]
+    tokens = [
+        sum(s.input_ids.numel() for s in samples[i * args.rows : (i + 1) * args.rows])
+        for i in range(nb)
+    ]
+    new_api = hasattr(dbatch, "sample_spans")  # this branch: spans read on the host
+
+    def capture(i):
+        b = cpu_batches[i % nb]
+        return dbatch.target_forward(target, b if new_api else b.to(dev))
+
+    tbs = [capture(i) for i in range(nb)]
+    seq_mean = sum(tokens) / (nb * args.rows)
+    cap_flops = [forward_flops_per_token(target.model.config, seq_mean) * t for t in tokens]
+    step_flops = [
+        drafter_step_flops(drafter.spec, tbs[i], tr.prepare(tbs[i], 0)) for i in range(nb)
+    ]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mem = {}
+
+    def measure(name, fn, flops):
+        torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+        s = throughput(fn, args.steps, args.warmup, dev)
+        mem[name] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
+        return s, mean(tokens) / s, mean(flops) / s / 1e12
+
+    s_cap, tps_cap, tf_cap = measure("capture", capture, cap_flops)
+    s_step, tps_step, tf_step = measure("step", lambda i: tr.train_step([tbs[i % nb]]), step_flops)
+    s_loop, tps_loop, tf_loop = measure(
+        "loop",
+        lambda i: tr.train_step([capture(i)]),
+        [a + b for a, b in zip(cap_flops, step_flops)],
+    )
+    ideal = 1 / (1 / tps_cap + 1 / tps_step)
+    res = {
+        "target": args.target,
+        "weights": weights,
+        "dflash": os.path.dirname(dbatch.__file__),
+        "attn_kernel": getattr(tr, "attn_kernel", "sdpa (main)"),
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "rows x seq (max)": f"{args.rows} x {args.seq}",
+        "tokens_per_step": mean(tokens),
+        "anchors_per_row": args.anchors,
+        "drafter_params_M": num_params(drafter) / 1e6,
+        "matmul_peak_tflops": peak,
+        "capture_ms": s_cap * 1e3,
+        "capture_tokens_per_s": tps_cap,
+        "capture_tflops": tf_cap,
+        "capture_frac_peak": tf_cap / peak,
+        "step_ms": s_step * 1e3,
+        "step_tokens_per_s": tps_step,
+        "step_tflops": tf_step,
+        "step_frac_peak": tf_step / peak,
+        "loop_ms": s_loop * 1e3,
+        "loop_tokens_per_s": tps_loop,
+        "loop_tflops": tf_loop,
+        "loop_frac_peak": tf_loop / peak,
+        "ideal_tokens_per_s": ideal,
+        "loop_over_ideal": tps_loop / ideal,
+        **{f"peak_mem_{k}_gib": v for k, v in mem.items()},
+    }
+    report(res, args.out)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for i in range(5):
+                tr.train_step([capture(i)])
+            sync(dev)
+        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by=key, row_limit=40))
+        print(prof.key_averages().table(sort_by=key, row_limit=12))
+
+
+if __name__ == "__main__":
+    main()
