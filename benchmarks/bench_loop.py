@@ -183,6 +183,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel (this branch)")
+    ap.add_argument("--compile", action="store_true", help="train.compile (this branch)")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of loop steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -195,7 +196,9 @@ def main() -> None:
     target, weights = build_target(args.target, args.backend)
     dev = target.device
     drafter = build_drafter(args.target, target)
-    tc = dict(max_anchors=args.anchors, steps=10_000, attn_kernel=args.attn_kernel)
+    tc = dict(
+        max_anchors=args.anchors, steps=10_000, attn_kernel=args.attn_kernel, compile=args.compile
+    )
     tc = {k: v for k, v in tc.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
     tr = DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), TrainConfig(**tc), dev)
     peak = matmul_peak_tflops(dev)
@@ -245,6 +248,7 @@ def main() -> None:
         "weights": weights,
         "dflash": os.path.dirname(dbatch.__file__),
         "attn_kernel": getattr(tr, "attn_kernel", "sdpa (main)"),
+        "compile": bool(tc.get("compile")),
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "rows x seq (max)": f"{args.rows} x {args.seq}",

@@ -51,7 +51,9 @@ def build_drafter(cfg: RunConfig, shape: TargetShape) -> DFlashDrafter:
 def make_batch(target: Target, samples: list, idx: list[int], cfg: RunConfig) -> TargetBatch:
     """The clean target forward over samples[idx]: the same in colocated and split mode."""
     # left on the host: target_forward reads the sample spans there, then moves it once
-    batch = collate([samples[i] for i in idx], pad_id=target.mask_token_id, pack_to=cfg.data.pack_to)
+    batch = collate(
+        [samples[i] for i in idx], pad_id=target.mask_token_id, pack_to=cfg.data.pack_to
+    )
     return target_forward(target, batch, with_final_hidden=cfg.train.loss == "soft_kl")
 
 

@@ -193,6 +193,7 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
     lm_head_chunk: int = 2048  # positions per chunk of the (checkpointed) lm_head + CE
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
+    compile: bool = False  # torch.compile the drafter (fuses norms, RoPE, casts; CUDA)
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100

@@ -100,7 +100,7 @@ def flex_attention(q, k, v, block_mask) -> torch.Tensor:
     dev = q.device.type
     dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    if q.is_cuda:
+    if q.is_cuda and not torch.compiler.is_compiling():  # inside torch.compile: traced as is
         fn = _compiled_flex()
     else:
         from torch.nn.attention.flex_attention import flex_attention as fn

@@ -25,6 +25,7 @@ from .blocks import (
 from .config import TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
 from .flex_attn import resolve_kernel, to_kernel_masks
+from .fused_ce import fused_weighted_ce_sum
 from .loss import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
 from .shape import Heads
 from .target import resolve_dtype
@@ -71,6 +72,8 @@ class DrafterTrainer:
                 device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=dp_group,
             )
+        if cfg.compile:  # shapes change with every batch: dynamic after the first recompile
+            self.model = torch.compile(self.model)
         self.dtype = compute_dtype(cfg.dtype, device)
         if self.dtype == torch.float16:
             raise ValueError(
@@ -151,6 +154,17 @@ class DrafterTrainer:
             # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
             w_lm = self.heads.lm_head.weight
             transform = self.drafter.logit_transform
+            if self.cfg.loss == "hard_ce" and self.device.type == "cuda":
+                return fused_weighted_ce_sum(
+                    h_M,
+                    w_lm,
+                    labels[lvalid],
+                    weights[lvalid],
+                    chunk=self.cfg.lm_head_chunk,
+                    dtype=self.dtype,
+                    output_multiplier=self.spec.output_multiplier,
+                    softcap=self.spec.final_logit_softcapping,
+                )
             if self.cfg.loss == "hard_ce":
                 return weighted_ce_sum(
                     h_M,
