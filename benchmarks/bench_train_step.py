@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="train.compile")
+    ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import os
@@ -54,7 +56,15 @@ def main() -> None:
     embed = torch.nn.Embedding(V, H).to(dev, tdtype).requires_grad_(False)
     lm_head = torch.nn.Linear(H, V, bias=False).to(dev, tdtype).requires_grad_(False)
     tr = DrafterTrainer(
-        drafter, Heads(embed, lm_head), TrainConfig(max_anchors=args.anchors, steps=100), dev
+        drafter,
+        Heads(embed, lm_head),
+        TrainConfig(
+            max_anchors=args.anchors,
+            steps=100,
+            compile=args.compile,
+            attn_kernel=args.attn_kernel,
+        ),
+        dev,
     )
     N, T, F = args.batch, args.seq, spec.num_aux * H
     tb = TargetBatch(
@@ -70,7 +80,7 @@ def main() -> None:
     peak = matmul_peak_tflops(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    s = timed(lambda: tr.train_step([tb]), dev, args.iters)
+    s = timed(lambda: tr.train_step([tb]), dev, args.iters, warmup=2)
     res = {
         "shape": args.shape,
         "drafter_params_M": num_params(drafter) / 1e6,
@@ -78,6 +88,8 @@ def main() -> None:
         "anchors": args.anchors,
         "batch": N,
         "block_size": spec.block_size,
+        "attn_kernel": tr.attn_kernel,
+        "compile": args.compile,
         "s_per_step": s,
         "tokens_per_s": N * T / s,
         "anchors_per_s": N * args.anchors / s,

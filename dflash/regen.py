@@ -1,0 +1,155 @@
+"""Batched greedy regeneration without HF `generate`: a static KV cache and the whole one-token
+step (forward, argmax, cache/mask/position update) captured once in a CUDA graph and replayed.
+
+Legend: B rows, P prompt length (left padded), L = P + new tokens (the static cache length).
+
+HF `generate` at batch 256 on a small target is bound by Python and kernel launches (a fresh
+mask, cache bookkeeping and logits processors per token); a replayed graph costs one launch per
+token. Same greedy tokens as `generate` (same left padding, positions and masking); rows are
+cut after their first EOS exactly as data._generate_batch does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def supports_static(model) -> bool:
+    """Attention-only decoders (Llama, Qwen2, Qwen3...): every layer's cache is a plain KV cache.
+    Hybrid targets (Gated DeltaNet) keep HF `generate`."""
+    types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    return all(t == "full_attention" for t in types) and not hasattr(
+        model.config, "linear_num_key_heads"
+    )
+
+
+class StaticGreedyDecoder:
+    """One instance per (model, batch shape); `run` decodes one left-padded batch."""
+
+    def __init__(self, model, use_graph: bool = True):
+        self.model, self.use_graph = model, use_graph
+
+    @torch.no_grad()
+    def run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
+        from transformers import StaticCache
+
+        model, dev = self.model, ids_BP.device
+        B, P = ids_BP.shape
+        L = P + max_new
+        cache = StaticCache(config=model.config, max_cache_len=L)
+        valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        valid[:, :P] = att_BP.bool()
+        # Prefill: causal over real tokens; a padding query sees itself so its (unused) row of
+        # attention stays finite.
+        k_L = torch.arange(L, device=dev)
+        q_P = torch.arange(P, device=dev)
+        causal = k_L[None, :] <= q_P[:, None]
+        mask = (causal[None] & valid[:, None, :]) | (k_L[None, None, :] == q_P[None, :, None])
+        pos = (att_BP.long().cumsum(-1) - 1).masked_fill(att_BP == 0, 1)
+        out = model(
+            input_ids=ids_BP,
+            attention_mask=mask[:, None],
+            position_ids=pos,
+            past_key_values=cache,
+            cache_position=q_P,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        tokens = torch.empty(B, max_new, dtype=torch.long, device=dev)
+        st = {
+            "tok": out.logits[:, -1].argmax(-1)[:, None].clone(),
+            "pos": pos[:, -1:] + 1,
+            "cpos": torch.full((1,), P, dtype=torch.long, device=dev),
+            "t": torch.zeros(1, dtype=torch.long, device=dev),
+            "valid": valid,
+        }
+        tokens[:, 0] = st["tok"][:, 0]
+        st["valid"][:, P] = True
+
+        def step():
+            o = model(
+                input_ids=st["tok"],
+                attention_mask=st["valid"][:, None, None, :],
+                position_ids=st["pos"],
+                past_key_values=cache,
+                cache_position=st["cpos"],
+                use_cache=True,
+            )
+            nxt = o.logits[:, -1].argmax(-1)
+            st["t"] += 1
+            tokens.index_copy_(1, st["t"], nxt[:, None])
+            st["tok"].copy_(nxt[:, None])
+            st["pos"] += 1
+            st["cpos"] += 1
+            st["valid"].index_fill_(1, st["cpos"], True)
+
+        n_steps = max_new - 1
+        replay = step
+        self.graph_used = False
+        if self.use_graph and dev.type == "cuda" and n_steps > 1:
+            step()  # warm-up on the default stream: decodes token 1 (and lazily sizes the cache)
+            n_steps -= 1
+            try:
+                replay = self._capture(step)
+                self.graph_used = True
+            except RuntimeError as e:  # a model whose step cannot be captured runs eagerly
+                print(f"warning: CUDA graph capture failed ({e}); decoding eagerly", flush=True)
+                torch.cuda.synchronize()
+        for i in range(n_steps):
+            replay()
+            if eos is not None and i % 32 == 31 and bool((tokens == eos).any(-1).all()):
+                break  # every row has ended: the rest would be cut anyway
+        return tokens
+
+    @staticmethod
+    def _capture(step):
+        """Capture one step (recording does not run it), so replays continue the decode."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s), torch.cuda.graph(graph, stream=s):
+            step()
+        torch.cuda.current_stream().wait_stream(s)
+        return graph.replay
+
+
+def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+    att = torch.zeros(len(prompts), P, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, P - len(p) :] = torch.tensor(p)
+        att[r, P - len(p) :] = 1
+    return ids, att
+
+
+def cut_at_eos(tokens_BT: torch.Tensor, eos: int | None) -> list[list[int]]:
+    out = []
+    for resp in tokens_BT.tolist():
+        if eos is not None and eos in resp:
+            resp = resp[: resp.index(eos) + 1]
+        out.append(resp)
+    return out
+
+
+def static_greedy_batch(target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos):
+    """Greedy responses for one batch of prompts (the static-cache path of data._generate_batch)."""
+    ids, att = left_pad(chunk, pad)
+    dec = StaticGreedyDecoder(target.model)
+    toks = dec.run(ids.to(target.device), att.to(target.device), max_new_tokens, eos)
+    return cut_at_eos(toks, eos)
+
+
+def hf_greedy_batch(target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos):
+    """The same batch through HF `generate` (the reference the static path is checked against)."""
+    ids, att = left_pad(chunk, pad)
+    out = target.model.generate(
+        input_ids=ids.to(target.device),
+        attention_mask=att.to(target.device),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=1 if eos is None else 0,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        do_sample=False,
+    )
+    return cut_at_eos(out[:, ids.shape[1] :], eos)

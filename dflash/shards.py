@@ -1,0 +1,104 @@
+"""On-disk formats for regenerated data: responses streamed in shards, samples as flat arrays.
+
+A partial regeneration is a directory: `key` (the prompts/settings fingerprint) and one
+`shard_NNNNNN.npz` per finished batch (flat tokens + lengths), each written atomically. Appending
+a batch writes only that batch (the old format re-pickled every response so far after every
+batch). A finished dataset is a few flat tensors (tokens, masks, lengths, ids) in one torch
+file instead of a pickled list of per-sample dicts of tiny tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import torch
+
+
+class ResponseShards:
+    def __init__(self, path: str):
+        self.path = path
+
+    def load(self, key: str | None, log=None) -> list[list[int]]:
+        """The responses of finished batches, in order; [] (and the directory is cleared) when
+        it was written for other prompts or settings. key=None: whatever is there."""
+        if not os.path.isdir(self.path):
+            return []
+        with open(os.path.join(self.path, "key")) as f:
+            found = f.read().strip()
+        if key is not None and found != key:
+            if log:
+                log(f"data: ignoring {self.path}: written for other prompts or settings")
+            shutil.rmtree(self.path)
+            return []
+        out: list[list[int]] = []
+        for name in sorted(n for n in os.listdir(self.path) if n.endswith(".npz")):
+            with np.load(os.path.join(self.path, name)) as z:
+                ends = np.cumsum(z["lengths"])
+                out += [a.tolist() for a in np.split(z["tokens"], ends[:-1])] if len(ends) else []
+        return out
+
+    def append(self, key: str, index: int, responses: list[list[int]]) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        kpath = os.path.join(self.path, "key")
+        if not os.path.exists(kpath):
+            _atomic_write(kpath, lambda f: f.write(key.encode()))
+        tokens = np.array([t for r in responses for t in r], dtype=np.int64)
+        lengths = np.array([len(r) for r in responses], dtype=np.int64)
+        _atomic_write(
+            os.path.join(self.path, f"shard_{index:06d}.npz"),
+            lambda f: np.savez(f, tokens=tokens, lengths=lengths),
+        )
+
+    def adopt_legacy_file(self, key: str, log=None) -> list[list[int]]:
+        """A partial file of the older single-file format: its responses (when written for this
+        key) become shard 0, and the file goes."""
+        state = torch.load(self.path)
+        os.remove(self.path)
+        if not isinstance(state, dict) or state.get("key") != key:
+            if log:
+                log(f"data: ignoring {self.path}: written for other prompts or settings")
+            return []
+        done = list(state["responses"])
+        if log:
+            log(f"data: resuming regeneration at {len(done)} responses from {self.path}")
+        if done:
+            self.append(key, 0, done)
+        return done
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def pack_samples(samples: list) -> dict:
+    """Samples -> flat tensors (one torch.save of a few arrays)."""
+    return {
+        "format": "flat-v1",
+        "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.long),
+        "lengths": torch.tensor([s.input_ids.numel() for s in samples], dtype=torch.long),
+        "input_ids": torch.cat([s.input_ids for s in samples]),
+        "loss_mask": torch.cat([s.loss_mask for s in samples]),
+    }
+
+
+def unpack_samples(obj) -> list:
+    from .batch import Sample
+
+    if not (isinstance(obj, dict) and obj.get("format") == "flat-v1"):
+        return [Sample(**s) for s in obj]  # the older list-of-dicts files
+    lens = obj["lengths"].tolist()
+    ids = torch.split(obj["input_ids"], lens)
+    masks = torch.split(obj["loss_mask"], lens)
+    return [Sample(int(i), a.clone(), m.clone()) for i, a, m in zip(obj["sample_ids"], ids, masks)]
+
+
+def atomic_torch_save(obj, path: str) -> None:
+    _atomic_write(path, lambda f: torch.save(obj, f))
