@@ -184,6 +184,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel (this branch)")
     ap.add_argument("--compile", action="store_true", help="train.compile (this branch)")
+    ap.add_argument(
+        "--compile-target", action="store_true", help="torch.compile each target decoder layer"
+    )
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of loop steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -195,6 +198,9 @@ def main() -> None:
 
     target, weights = build_target(args.target, args.backend)
     dev = target.device
+    if args.compile_target:  # per layer, so the aux-tap hooks on the layers stay outside
+        for layer in target.decoder_layers():
+            layer.forward = torch.compile(layer.forward, dynamic=True)
     drafter = build_drafter(args.target, target)
     tc = dict(
         max_anchors=args.anchors, steps=10_000, attn_kernel=args.attn_kernel, compile=args.compile
@@ -249,6 +255,7 @@ def main() -> None:
         "dflash": os.path.dirname(dbatch.__file__),
         "attn_kernel": getattr(tr, "attn_kernel", "sdpa (main)"),
         "compile": bool(tc.get("compile")),
+        "compile_target": args.compile_target,
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "rows x seq (max)": f"{args.rows} x {args.seq}",

@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--prompt-max", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--dtype", default="auto", help="float32 for bit-identity checks")
+    ap.add_argument("--compile", action="store_true", help="also time the compiled step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
@@ -39,9 +40,9 @@ def main() -> None:
     ]
     pad = target.mask_token_id
 
-    def static(ps):
+    def static(ps, compile=False):
         ids, att = left_pad(ps, pad)
-        dec = StaticGreedyDecoder(target.model)
+        dec = StaticGreedyDecoder(target.model, compile=compile)
         out = cut_at_eos(dec.run(ids.to(dev), att.to(dev), args.new, None), None)
         return out, dec.graph_used
 
@@ -56,6 +57,17 @@ def main() -> None:
     static(prompts[:4])
     ref, t_hf = timed(lambda: hf_greedy_batch(target, prompts, args.new, pad, None))
     (got, graph), t_st = timed(lambda: static(prompts))
+    extra = {}
+    if args.compile:  # first call compiles (same shapes as the timed one), second is timed
+        (_, _), t_first = timed(lambda: static(prompts, True))
+        (got_c, _), t_c = timed(lambda: static(prompts, True))
+        extra = {
+            "static_compiled_first_call_s": t_first,
+            "static_compiled_s": t_c,
+            "static_compiled_tokens_per_s": sum(len(r) for r in got_c) / t_c,
+            "speedup_compiled": t_hf / t_c,
+            "identical_rows_compiled": f"{sum(a == b for a, b in zip(got_c, ref))}/{len(ref)}",
+        }
     same = sum(a == b for a, b in zip(got, ref))
     first_diff = [
         next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, ref)
@@ -77,6 +89,7 @@ def main() -> None:
         "speedup": t_hf / t_st,
         "identical_rows": f"{same}/{len(ref)}",
         "first_divergence_min": min(diffs) if diffs else None,
+        **extra,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
     }
     report(res, args.out)

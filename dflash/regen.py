@@ -26,8 +26,10 @@ def supports_static(model) -> bool:
 class StaticGreedyDecoder:
     """One instance per (model, batch shape); `run` decodes one left-padded batch."""
 
-    def __init__(self, model, use_graph: bool = True):
-        self.model, self.use_graph = model, use_graph
+    def __init__(self, model, use_graph: bool = True, compile: bool = False):
+        # compile: torch.compile the step first (fuses the norms / RoPE / SiLU kernels that bound
+        # a small model's decode step), then capture the compiled step in the graph.
+        self.model, self.use_graph, self.compile = model, use_graph, compile
 
     @torch.no_grad()
     def run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
@@ -83,6 +85,8 @@ class StaticGreedyDecoder:
             st["cpos"] += 1
             st["valid"].index_fill_(1, st["cpos"], True)
 
+        if self.compile:
+            step = torch.compile(step)
         n_steps = max_new - 1
         replay = step
         self.graph_used = False
