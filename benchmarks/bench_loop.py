@@ -119,13 +119,13 @@ def build_drafter(name: str, target):
     return d
 
 
-def make_samples(n: int, seq: int, vocab: int, mask_id: int, seed: int):
+def make_samples(n: int, seq: int, vocab: int, mask_id: int, seed: int, min_len=None):
     from dflash.batch import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        L = int(torch.randint(seq // 2, seq + 1, (1,), generator=g))
+        L = int(torch.randint(min_len or seq // 2, seq + 1, (1,), generator=g))
         ids = torch.randint(0, vocab - 1, (L,), generator=g)
         ids[ids == mask_id] = (mask_id + 1) % vocab
         lm = torch.zeros(L, dtype=torch.bool)
@@ -179,6 +179,7 @@ def main() -> None:
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--min-len", type=int, default=None, help="shortest sample (default seq/2)")
     ap.add_argument("--anchors", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -210,7 +211,7 @@ def main() -> None:
     peak = matmul_peak_tflops(dev)
     nb = 8  # distinct micro-batches, rotated
     samples = make_samples(
-        nb * args.rows, args.seq, target.vocab_size, target.mask_token_id, seed=0
+        nb * args.rows, args.seq, target.vocab_size, target.mask_token_id, 0, args.min_len
     )
     cpu_batches = [
         dbatch.collate(samples[i * args.rows : (i + 1) * args.rows], pad_id=target.mask_token_id)
