@@ -191,7 +191,7 @@ class TrainConfig:
     gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
     noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
-    lm_head_chunk: int = 2048  # positions per chunk of the (checkpointed) lm_head + CE
+    lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
     compile: bool = False  # torch.compile the drafter (fuses norms, RoPE, casts; CUDA)
     seed: int = 0
@@ -203,6 +203,7 @@ class TrainConfig:
     def validate(self) -> None:
         _check_choice("train.dtype", self.dtype, DTYPES)
         _check_choice("train.loss", self.loss, LOSSES)
+        _check_choice("train.attn_kernel", self.attn_kernel, ("auto", "flex", "sdpa"))
         if self.loss == "soft_kl" and not self.allow_soft_loss:
             raise ValueError(
                 "train.loss=soft_kl trains a soft objective while acceptance is judged by the "
