@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from .blocks import build_blocks, mask_rules
 from .data import encode_prompts, generate_greedy, random_prompts, text_prompts
 from .drafter import DFlashDrafter
-from .flex_attn import resolve_kernel, to_kernel_masks
 from .metrics import evaluate_prompt, summarize
 from .sampling import expected_accepted, overlap, warp
 
@@ -227,8 +226,7 @@ def draft_all_anchors(
             mask_rules(spec),
         )
         emb = heads.embed(blk.block_ids_NQ).to(dtype)
-        masks = to_kernel_masks(blk.masks, resolve_kernel("auto", dev))  # flex on CUDA
-        h = drafter(emb, blk.block_pos_NQ, masks, ctx_kv=ctx_kv)
+        h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
         logits = drafter.logits(h, heads.lm_head.weight)
         logp = torch.log_softmax(logits, -1)
