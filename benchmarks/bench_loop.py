@@ -92,27 +92,29 @@ def build_drafter(name: str, target):
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.target import load_conf
-    from dflash.trainer import resolve_spec
 
     dname = TARGETS[name][1]
     raw = load_conf("drafter", dname) if dname else dict(num_layers=3, block_size=16)
     raw["target_layer_ids"] = list(target.layer_ids)
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
     dcfg = DrafterConfig(**{k: v for k, v in raw.items() if k in fields})
-    mc = target.model.config
-    spec = resolve_spec(
-        dcfg,
-        target.num_layers,
-        target.hidden_size,
-        target.vocab_size,
-        int(mc.intermediate_size),
-        int(mc.num_attention_heads),
-        int(getattr(mc, "num_key_value_heads", 0) or 0),
-        target.mask_token_id,
-    )
-    if dname is None:  # the target's own head layout for the small drafters
-        spec.head_dim = int(
-            getattr(mc, "head_dim", None) or mc.hidden_size // spec.num_attention_heads
+    try:  # current layout
+        from dflash.spec import resolve_spec
+
+        spec = resolve_spec(dcfg, target.shape)
+    except ImportError:  # checkouts before the restructure (the recorded main baseline)
+        from dflash.trainer import resolve_spec
+
+        mc = target.model.config
+        spec = resolve_spec(
+            dcfg,
+            target.num_layers,
+            target.hidden_size,
+            target.vocab_size,
+            int(mc.intermediate_size),
+            int(mc.num_attention_heads),
+            int(getattr(mc, "num_key_value_heads", 0) or 0),
+            target.mask_token_id,
         )
     d = DFlashDrafter(spec)
     d.init_weights(0.02, torch.Generator().manual_seed(0))
@@ -136,7 +138,10 @@ def make_samples(n: int, seq: int, vocab: int, mask_id: int, seed: int, min_len=
 
 def drafter_step_flops(spec, tb, prepared) -> float:
     """Model FLOPs of one train step (forward x 3), counting only visible attention pairs."""
-    blocks, labels, lvalid, _ = prepared
+    if isinstance(prepared, tuple):  # before the restructure
+        blocks, lvalid = prepared[0], prepared[2]
+    else:
+        blocks, lvalid = prepared.blocks, prepared.label_valid_NAK
     H, L, h, kv, d = (
         spec.hidden_size,
         spec.num_hidden_layers,
@@ -195,7 +200,12 @@ def main() -> None:
     import dflash.batch as dbatch
     from dflash.config import TrainConfig
     from dflash.drafter import num_params
-    from dflash.trainer import DrafterTrainer, Heads
+    from dflash.trainer import DrafterTrainer
+
+    try:
+        from dflash.shape import Heads
+    except ImportError:  # before the restructure
+        from dflash.trainer import Heads
 
     target, weights = build_target(args.target, args.backend)
     dev = target.device

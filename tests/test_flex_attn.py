@@ -5,7 +5,7 @@ import pytest
 import torch
 from test_drafter import _drafter, _reference, _row
 
-from dflash.blocks import build_blocks, candidate_anchors, sample_anchors
+from dflash.blocks import build_blocks, candidate_anchors, mask_rules, sample_anchors
 from dflash.flex_attn import block_mask_from_dense, resolve_kernel, to_kernel_masks
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -13,17 +13,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 def _blocks(drafter, ids, pos, seg, anchors, valid):
     s = drafter.spec
-    return build_blocks(
-        ids,
-        pos,
-        seg,
-        anchors,
-        valid,
-        s.block_size,
-        s.mask_token_id,
-        s.layer_types,
-        s.sliding_window,
-    )
+    return build_blocks(ids, pos, seg, anchors, valid, s.block_size, s.mask_token_id, mask_rules(s))
 
 
 @torch.no_grad()  # flex has no backward on CPU; training with it is CUDA-only

@@ -99,14 +99,11 @@ def test_flex_kernel_matches_dense_on_cuda(dtype):
 
     from dflash.blocks import candidate_anchors, sample_anchors
     from dflash.flex_attn import to_kernel_masks
+    from dflash.shape import TargetShape
 
     class T:
         layer_ids = [1, 3, 5]
-        num_layers, hidden_size, vocab_size, mask_token_id = 8, 256, 1024, 1023
-
-        class model:
-            class config:
-                intermediate_size, num_attention_heads, num_key_value_heads = 512, 8, 2
+        shape = TargetShape(8, 256, 1024, 512, 8, 2, torch.float32, 1023, (1, 3, 5))
 
     drafter = make_drafter(T, block_size=16, window=100).cuda()
     g = torch.Generator().manual_seed(0)
