@@ -34,6 +34,9 @@ class TargetConfig:
     config: dict[str, Any] | None = None
     init_seed: int = 0
     init_std: float | None = None  # random weights: override initializer_range
+    # Config-built targets: "bytes" = the built-in byte-level tokenizer with a chat template
+    # (dflash.tokenizer; text data sources offline), null = none (data.source=selfgen only).
+    tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
     device: str = "auto"
     linear_attn_backend: str = "auto"  # auto | fla | torch (Gated-DeltaNet kernels)

@@ -293,8 +293,9 @@ def build_prompts(dcfg: DataConfig, tcfg: TargetConfig, target) -> list[list[int
         )
     if target.tokenizer is None:
         raise ValueError(
-            f"data.source={dcfg.source} needs a target with a tokenizer (this target "
-            "has none: it is built from target.config); use data.source=selfgen"
+            f"data.source={dcfg.source} needs a target with a tokenizer (this target has none: "
+            "set target.tokenizer=bytes for a target built from target.config, or use "
+            "data.source=selfgen)"
         )
     return encode_prompts(text_prompts(dcfg), target.tokenizer, tcfg)
 

@@ -99,8 +99,16 @@ def load_hf_model(cfg: TargetConfig, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = None
+    if cfg.tokenizer is not None and cfg.config is None:
+        raise ValueError(
+            f"target.tokenizer={cfg.tokenizer!r} is for targets built from target.config; a target "
+            "loaded from target.path uses the tokenizer in its directory: set target.tokenizer=null"
+        )
     if cfg.config is not None:
+        from .tokenizer import make_tokenizer
+
         hf_cfg = build_hf_config(cfg.config)
+        tokenizer = make_tokenizer(cfg.tokenizer, int(hf_cfg.vocab_size))
         if cfg.init_std is not None:
             hf_cfg.initializer_range = cfg.init_std
         torch.manual_seed(cfg.init_seed)

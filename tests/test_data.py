@@ -189,11 +189,12 @@ def test_empty_dataset_is_refused():
 
 
 def test_text_source_without_tokenizer_is_refused(tmp_path, tiny_llama):
+    from dflash.target import Target
+
     tc = TargetConfig(name="tiny_llama")
-    with pytest.raises(ValueError, match="needs a target with a tokenizer"):
-        load_or_build_dataset(
-            DataConfig(source="stdlib", num_samples=2), tc, tiny_llama, str(tmp_path)
-        )
+    bare = Target(tiny_llama.model, tiny_llama.layer_ids, tokenizer=None)
+    with pytest.raises(ValueError, match="needs a target with a tokenizer.*target.tokenizer=bytes"):
+        load_or_build_dataset(DataConfig(source="stdlib", num_samples=2), tc, bare, str(tmp_path))
 
 
 # ----------------------------------------------------------------------------- resumable regeneration
