@@ -228,7 +228,16 @@ def load_checkpoint(path: str, drafter: DFlashDrafter) -> dict:
     loaded, report = load_drafter(ck)
     if loaded.spec.as_dict() != drafter.spec.as_dict():
         raise ValueError(f"resume: drafter config in {ck} differs from this run's drafter config")
-    state = torch.load(os.path.join(ck, STATE_FILE), weights_only=False)
+    state_file = os.path.join(ck, STATE_FILE)
+    try:
+        state = torch.load(state_file, weights_only=False)
+    except Exception as e:  # truncated zip, pickle garbage, ...: torch raises many types
+        raise ValueError(
+            f"{state_file} is not a readable train state ({type(e).__name__}); the checkpoint "
+            "is damaged: resume from another step_* directory of the run"
+        ) from None
+    if not isinstance(state, dict) or "trainer" not in state:
+        raise ValueError(f"{state_file} holds no train state; resume from another step_* directory")
     drafter.load_state_dict(state.get("drafter_fp32") or loaded.state_dict())
     _set_rng_state(state["rng"])
     state["path"] = ck

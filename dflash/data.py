@@ -7,7 +7,6 @@ target's own outputs, so the sequence's tokens and the target's greedy labels ag
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -18,6 +17,7 @@ from tqdm.auto import tqdm
 
 from .batch import Sample
 from .config import DataConfig, TargetConfig
+from .prompt_files import text_prompts  # noqa: F401  (re-exported: eval prompts use it too)
 from .shards import ResponseShards, atomic_torch_save, pack_samples, unpack_samples
 
 
@@ -35,61 +35,6 @@ def random_prompts(
             p[m] = torch.randint(0, vocab_size, (int(m.sum()),), generator=g)
         out.append(p.tolist())
     return out
-
-
-def text_prompts(cfg: DataConfig) -> list:
-    """Prompt strings or chat message lists from local jsonl/parquet files, or built-in corpora."""
-    if cfg.source == "stdlib":
-        from .corpora import stdlib_prompts
-
-        return stdlib_prompts(cfg.num_samples, seed=cfg.seed)
-    if cfg.source == "humaneval":
-        from .corpora import humaneval_prompts
-
-        return humaneval_prompts(cfg.paths[0] if cfg.paths else None)
-    if not cfg.paths:
-        raise ValueError(f"data.source={cfg.source} needs data.paths=[file, ...]")
-    missing = [p for p in cfg.paths if not os.path.exists(p)]
-    if missing:
-        raise FileNotFoundError(f"data.paths: {missing} not found")
-    rows = _jsonl_rows(cfg) if cfg.source == "jsonl" else _parquet_rows(cfg)
-    if not rows:
-        raise ValueError(f"data.paths {list(cfg.paths)} hold no rows (the dataset is empty)")
-    return rows
-
-
-def _jsonl_rows(cfg: DataConfig) -> list:
-    rows = []
-    for path in cfg.paths:
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                field = cfg.prompt_field if cfg.prompt_field in row else "messages"
-                if field not in row:
-                    raise ValueError(
-                        f"{path}:{n}: rows need a {cfg.prompt_field!r} or 'messages' field; "
-                        f"found {sorted(row)} (set data.prompt_field)"
-                    )
-                rows.append(row[field])
-                if len(rows) >= cfg.num_samples:
-                    return rows
-    return rows
-
-
-def _parquet_rows(cfg: DataConfig) -> list:
-    import datasets
-
-    ds = datasets.load_dataset("parquet", data_files=list(cfg.paths), split="train")
-    field = cfg.prompt_field if cfg.prompt_field in ds.column_names else "messages"
-    if field not in ds.column_names:
-        raise ValueError(
-            f"data rows need a {cfg.prompt_field!r} or 'messages' field; "
-            f"found {ds.column_names} (set data.prompt_field)"
-        )
-    return ds[field][: cfg.num_samples]
 
 
 def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[int]]:
