@@ -15,7 +15,7 @@ from .build import (
 )
 from .comm import RankContext
 from .config import RunConfig
-from .linear_attn import linear_attn_report
+from .linear_attn import linear_attn_report, linear_attn_summary
 from .loggers import Logger
 from .loop import train_loop
 from .session import open_session
@@ -78,13 +78,12 @@ def run_colocated(
         describe.append(
             f"topology: colocated, {ctx.world} ranks (data parallel), backend {ctx.backend}"
         )
+    gdn = linear_attn_report() if target.backend != "none" else {}
     describe.append(
         f"target: {cfg.target.name} | {target.num_layers} layers, H={target.hidden_size}, "
-        f"V={target.vocab_size}, {target.dtype}, {target.device}, linear-attn backend: {target.backend}"
+        f"V={target.vocab_size}, {target.dtype}, {target.device}"
+        + (f", Gated-DeltaNet: {linear_attn_summary(gdn)}" if gdn else "")
     )
-    gdn = linear_attn_report()
-    if gdn:
-        describe.append(f"target: Gated-DeltaNet ops -> {gdn}")
     session = open_session(
         cfg, run_dir, target.shape, writer=writer, describe=describe, logger=logger
     )

@@ -34,6 +34,10 @@ class TargetConfig:
     config: dict[str, Any] | None = None
     init_seed: int = 0
     init_std: float | None = None  # random weights: override initializer_range
+    # Random weights: multiply the LM head by this after init. The greedy text is unchanged
+    # (argmax is scale-free), but logits get a realistic spread: with a 0.01-std head they stay
+    # within ~±0.5, and a drafter sharing the head must first grow its final norm ~20x.
+    lm_head_scale: float = 1.0
     # Config-built targets: "bytes" = the built-in byte-level tokenizer with a chat template
     # (dflash.tokenizer; text data sources offline), null = none (data.source=selfgen only).
     tokenizer: str | None = None

@@ -4,6 +4,7 @@ the torch fallback before transformers binds one at import, and report what was 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import torch
@@ -68,6 +69,7 @@ def select_linear_attn_backend(backend: str, device: torch.device) -> str:
             )
     if backend == "torch":
         _hide_gpu_kernels()
+        quiet_fallback_warnings()
     return backend
 
 
@@ -124,6 +126,25 @@ def linear_attn_report(module=None) -> dict:
         for m in mods
         for k, v in _module_report(m).items()
     }
+
+
+def linear_attn_summary(report: dict) -> str:
+    """One line for a linear_attn_report: the implementation kind and its ops."""
+    by_kind: dict[str, list[str]] = {}
+    for op, impl in report.items():
+        by_kind.setdefault(impl.split(" (", 1)[0], []).append(op)
+    return "; ".join(f"{kind} ({', '.join(ops)})" for kind, ops in by_kind.items())
+
+
+def quiet_fallback_warnings() -> None:
+    """transformers warns once per Gated-DeltaNet op that it falls back to torch; when the torch
+    backend is dflash's choice (and reported in one line) those four lines are noise. A user
+    who sets TRANSFORMERS_VERBOSITY keeps transformers' own level."""
+    if os.environ.get("TRANSFORMERS_VERBOSITY"):
+        return
+    import logging
+
+    logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
 
 
 def linear_attn_kind(report: dict) -> str:

@@ -116,6 +116,14 @@ def load_hf_model(cfg: TargetConfig, device: torch.device, dtype: torch.dtype):
             model = AutoModelForCausalLM.from_config(
                 hf_cfg, dtype=dtype, attn_implementation=cfg.attn_implementation
             )
+        if cfg.lm_head_scale != 1.0:
+            if getattr(hf_cfg, "tie_word_embeddings", False):
+                raise ValueError(
+                    "target.lm_head_scale needs target.config.tie_word_embeddings=false (a tied "
+                    "head would rescale the input embeddings too)"
+                )
+            with torch.no_grad():
+                model.get_output_embeddings().weight.mul_(cfg.lm_head_scale)
     else:
         path = resolve_local_path(cfg)
         model = AutoModelForCausalLM.from_pretrained(

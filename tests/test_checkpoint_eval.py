@@ -120,12 +120,16 @@ def trained_run(tmp_path_factory):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    return out / "r", r.stdout
+    return out / "r", r.stdout + r.stderr
 
 
 def test_default_run_prints_loss_and_acceptance(trained_run):
     run_dir, stdout = trained_run
     assert "eval: streak" in stdout and "tau" in stdout
+    # quiet start: the Gated-DeltaNet path in one line, no transformers fallback warnings
+    gdn = [ln for ln in stdout.splitlines() if "Gated-DeltaNet" in ln]
+    assert len(gdn) == 1 and "Gated-DeltaNet: torch fallback (chunk_gated_delta_rule" in gdn[0]
+    assert "falling back to its reference PyTorch" not in stdout
     lines = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert any("train/loss" in x for x in lines) and any("eval/tau" in x for x in lines)
 
