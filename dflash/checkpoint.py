@@ -22,9 +22,11 @@ from safetensors.torch import save_file
 from .drafter import DFlashDrafter, DrafterSpec
 
 STATE_FILE = "train_state.pt"
+# Serving weights are written in this dtype; the in-loop eval rounds to it (dflash.evaluation).
+EXPORT_DTYPE = torch.bfloat16
 
 
-def save_drafter(path: str, drafter: DFlashDrafter, dtype: torch.dtype = torch.bfloat16) -> None:
+def save_drafter(path: str, drafter: DFlashDrafter, dtype: torch.dtype = EXPORT_DTYPE) -> None:
     """config.json + model.safetensors with exactly the drafter's weights (reference names)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -10,6 +10,7 @@ Legend: P prompt length, L completion length, T = P + L, D = B - 1 drafted posit
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -328,8 +329,25 @@ def evaluate(
     return reports, summary
 
 
+@contextlib.contextmanager
+def rounded_to(module: torch.nn.Module, dtype: torch.dtype):
+    """The module's weights rounded to `dtype` (kept in their own dtype) for the duration, then
+    restored bit-exactly from a CPU copy (no second copy on the accelerator)."""
+    saved = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+    with torch.no_grad():
+        for v in module.state_dict().values():
+            if v.is_floating_point():
+                v.copy_(v.to(dtype))
+    try:
+        yield module
+    finally:
+        module.load_state_dict(saved)
+
+
 class Evaluator:
-    """In-loop evaluation on the cached set: the same code path as eval.py."""
+    """In-loop evaluation on the cached set: the same code path as eval.py, on the weights a
+    checkpoint exports (fp32 master weights rounded to the serving dtype), so the figures equal
+    eval.py's on the checkpoint saved at the same step."""
 
     def __init__(self, items: list[EvalItem], budgets, temperatures=(), top_p=1.0, top_k=0):
         self.items, self.budgets = items, list(budgets)
@@ -342,5 +360,8 @@ class Evaluator:
         return cls(items, e.budgets, e.temperatures, e.top_p, e.top_k)
 
     def run(self, drafter, heads) -> dict:
-        _, summary = evaluate(drafter, heads, self.items, self.budgets, **self.sampling)
+        from .checkpoint import EXPORT_DTYPE
+
+        with rounded_to(drafter, EXPORT_DTYPE):
+            _, summary = evaluate(drafter, heads, self.items, self.budgets, **self.sampling)
         return {f"eval/{k}": float(v) for k, v in summary.items()}
