@@ -274,6 +274,9 @@ class LoggerConfig:
     entity: str | None = None
     mode: str = "auto"  # auto: online when credentials exist, else offline
     tags: list[str] = field(default_factory=list)
+    # wandb: upload each saved checkpoint's serving files (config.json, model.safetensors) as a
+    # model artifact (opt-in: the 27B-shape drafter is GBs per checkpoint).
+    log_checkpoints: bool = False
 
     def validate(self) -> None:
         _check_choice("logger.kind", self.kind, ("console", "wandb", "none"))

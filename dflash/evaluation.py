@@ -352,6 +352,7 @@ class Evaluator:
     def __init__(self, items: list[EvalItem], budgets, temperatures=(), top_p=1.0, top_k=0):
         self.items, self.budgets = items, list(budgets)
         self.sampling = dict(temperatures=list(temperatures), top_p=top_p, top_k=top_k)
+        self.reports: list = []  # per-prompt reports of the last run (for loggers)
 
     @classmethod
     def from_config(cls, cfg, target, cache_dir: str | None, log=print) -> Evaluator:
@@ -363,5 +364,7 @@ class Evaluator:
         from .checkpoint import EXPORT_DTYPE
 
         with rounded_to(drafter, EXPORT_DTYPE):
-            _, summary = evaluate(drafter, heads, self.items, self.budgets, **self.sampling)
+            self.reports, summary = evaluate(
+                drafter, heads, self.items, self.budgets, **self.sampling
+            )
         return {f"eval/{k}": float(v) for k, v in summary.items()}

@@ -37,6 +37,12 @@ class Logger:
     def summary(self, metrics: dict) -> None:
         pass
 
+    def log_eval(self, reports: list, step: int) -> None:
+        """Per-prompt eval reports (dflash.metrics.PromptReport) of the eval at `step`."""
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        """A checkpoint directory just written at `step`."""
+
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
@@ -54,11 +60,18 @@ class ConsoleLogger(Logger):
 
 
 class WandbLogger(ConsoleLogger):
+    """wandb as its users expect: the resolved config, metrics by namespace on a trainer/step
+    axis, a per-prompt eval table and an acceptance-length histogram per eval, and (opt-in,
+    logger.log_checkpoints) the serving checkpoints as model artifacts. The dashboard layout is
+    docs/wandb_workspace.json (applied with `python -m dflash.tools.wandb_workspace`)."""
+
+    NAMESPACES = ("train", "eval", "perf", "pipe", "data")
+
     def __init__(
         self, cfg: LoggerConfig, run_dir: str, run_name: str, config: dict, rank0: bool = True
     ):
         super().__init__(run_dir, rank0)
-        self.run = None
+        self.run, self.log_checkpoints = None, cfg.log_checkpoints
         if not rank0:
             return
         import wandb
@@ -79,8 +92,9 @@ class WandbLogger(ConsoleLogger):
             tags=list(cfg.tags),
             resume="allow",
         )
-        for prefix in ("train", "eval", "perf", "pipe"):
-            wandb.define_metric(f"{prefix}/*", step_metric="trainer/step")
+        self.run.define_metric("trainer/step")
+        for prefix in self.NAMESPACES:
+            self.run.define_metric(f"{prefix}/*", step_metric="trainer/step")
         self.info(
             f"wandb: {mode} run in {run_dir}/wandb"
             + (" (sync later: `wandb sync`)" if mode == "offline" else "")
@@ -90,6 +104,28 @@ class WandbLogger(ConsoleLogger):
         super()._log(metrics, step)
         if self.run is not None:
             self.run.log({"trainer/step": step, **metrics})
+
+    def log_eval(self, reports: list, step: int) -> None:
+        if self.run is None or not reports:
+            return
+        from .wandb_media import acceptance_histogram, eval_table
+
+        self.run.log(
+            {
+                "trainer/step": step,
+                "eval/prompts": eval_table(reports, step),
+                "eval/accepted_hist": acceptance_histogram(reports),
+            }
+        )
+
+    def log_checkpoint(self, path: str, step: int) -> None:
+        if self.run is None or not self.log_checkpoints:
+            return
+        from .wandb_media import checkpoint_artifact
+
+        self.run.log_artifact(
+            checkpoint_artifact(self.run.name, path, step), aliases=[f"step_{step}", "latest"]
+        )
 
     def summary(self, metrics: dict) -> None:
         if self.run is not None:

@@ -55,6 +55,7 @@ def train_loop(
     if evaluator is not None and trainer.step == 0:
         first_eval = evaluator.run(trainer.drafter, trainer.heads)
         logger.log(first_eval, step=0)
+        logger.log_eval(evaluator.reports, 0)
     bar = tqdm(
         total=tc.steps,
         initial=trainer.step,
@@ -88,6 +89,7 @@ def train_loop(
         if evaluator is not None and (step % tc.eval_every == 0 or step == tc.steps):
             ev = evaluator.run(trainer.drafter, trainer.heads)
             logger.log(ev, step)
+            logger.log_eval(evaluator.reports, step)
             last.update(ev)
         if writer and (step % tc.save_every == 0 or step == tc.steps):
             path = save_checkpoint(
@@ -99,6 +101,7 @@ def train_loop(
                 extra={"source": source.state_dict()},
             )
             last["checkpoint"] = path
+            logger.log_checkpoint(path, step)
         if stop_at is not None and step >= stop_at:
             break
     bar.close()

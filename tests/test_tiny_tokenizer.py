@@ -75,7 +75,7 @@ def _cfg(tmp_path, target, source, extra=()):
 )
 def test_every_data_source_trains_offline_on_a_tiny_target(tmp_path, target, source):
     from dflash.data import load_samples
-    from dflash.runner import run_training
+    from dflash.colocated import run_colocated
 
     extra = []
     if source == "jsonl":
@@ -88,7 +88,7 @@ def test_every_data_source_trains_offline_on_a_tiny_target(tmp_path, target, sou
         extra = ["data.max_length=2048"]  # byte tokens: stdlib stubs are a few hundred long
     cfg = _cfg(tmp_path, target, source, extra)
     run_dir = tmp_path / "run"
-    out = run_training(cfg, str(run_dir))
+    out = run_colocated(cfg, str(run_dir))
     assert out["checkpoint"].endswith("step_00000002") and "eval/tau" in out
     (cache,) = (run_dir / "data").glob("train-*.pt")
     samples = load_samples(str(cache))
