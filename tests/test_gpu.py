@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, make_drafter, target_cfg
+from conftest import MECHANISM_OVERRIDES, ROOT, make_drafter, target_cfg
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,7 +19,10 @@ pytestmark = [
 def qwen_cuda_fp32():
     from dflash.target import load_target
 
-    return load_target(target_cfg("tiny_qwen3_5", device="cuda", dtype="float32"), num_aux=3)
+    over = MECHANISM_OVERRIDES["tiny_qwen3_5"]
+    return load_target(
+        target_cfg("tiny_qwen3_5", device="cuda", dtype="float32", **over), num_aux=3
+    )
 
 
 def test_backend_is_fla_on_cuda(qwen_cuda_fp32):
