@@ -74,8 +74,8 @@ def _cfg(tmp_path, target, source, extra=()):
     [("tiny_qwen3_5", "jsonl"), ("tiny_llama", "stdlib"), ("tiny_qwen3_5", "selfgen")],
 )
 def test_every_data_source_trains_offline_on_a_tiny_target(tmp_path, target, source):
-    from dflash.data import load_samples
     from dflash.colocated import run_colocated
+    from dflash.data import load_samples
 
     extra = []
     if source == "jsonl":
