@@ -12,11 +12,12 @@ import sys
 import torch
 
 from .batch import TargetBatch, collate, target_forward
-from .checkpoint import find_checkpoint, latest_run_checkpoint, load_checkpoint, load_drafter
+from .checkpoint import find_checkpoint, load_checkpoint, load_drafter
 from .comm import RankContext
 from .config import RunConfig
 from .data import load_or_build_dataset
 from .drafter import DFlashDrafter
+from .rundir import is_off, keep_metrics_until, newest_run_of
 from .shape import TargetShape
 from .spec import resolve_spec
 from .stream import SampleStream
@@ -140,11 +141,16 @@ def dataset_for_rank(
 
 # ----------------------------------------------------------------------------- resume, run config
 def resume_path(cfg: RunConfig, run_dir: str) -> str | None:
+    """The launcher has already resolved resume=true to a checkpoint (`rundir.plan_run`); a
+    caller that did not gets this run dir's own checkpoint, else this experiment's newest."""
     r = cfg.resume
-    if r is None or str(r).lower() in ("false", "none", "null", ""):
+    if is_off(r):
         return None
     if str(r).lower() == "true":
-        return latest_run_checkpoint(cfg.out_root, cfg.exp_name, exclude=run_dir)
+        try:
+            return find_checkpoint(run_dir)
+        except FileNotFoundError:
+            return newest_run_of(cfg.out_root, cfg.exp_name)
     return str(r)
 
 
@@ -176,6 +182,8 @@ def resume(
         ckpt = find_checkpoint(ckpt) if ckpt else None  # a run dir -> its latest step
         if ckpt:
             resume_from(ckpt, trainer, stream, logger)
+            # the run continues in its own metrics.jsonl: rows past the checkpoint are redone
+            keep_metrics_until(run_dir, trainer.step)
         start = {"ckpt": ckpt, "step": trainer.step, "position": stream.position}
     if ctx is None or ctx.world == 1:
         return start

@@ -203,28 +203,6 @@ def find_checkpoint(path: str) -> str:
     )
 
 
-def latest_run_checkpoint(out_root: str, exp_name: str, exclude: str) -> str:
-    """resume=true: the newest checkpoint of a previous run of this experiment."""
-    runs = [
-        d
-        for d in glob.glob(os.path.join(out_root, f"{exp_name}-*"))
-        if os.path.abspath(d) != os.path.abspath(exclude)
-    ]
-    found = []
-    for d in runs:
-        try:
-            ck = find_checkpoint(d)
-            found.append((os.path.getmtime(os.path.join(ck, STATE_FILE)), ck))
-        except FileNotFoundError:
-            continue
-    if not found:
-        raise FileNotFoundError(
-            f"resume=true but no checkpoint of a run named {exp_name}-* under "
-            f"{out_root!r}; pass resume=/path/to/run_or_step_dir"
-        )
-    return max(found)[1]
-
-
 def load_checkpoint(path: str, drafter: DFlashDrafter) -> dict:
     ck = find_checkpoint(path)
     loaded, report = load_drafter(ck)

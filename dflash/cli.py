@@ -25,6 +25,15 @@ def run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S")
 
 
+def names_run(cfg) -> bool:
+    """Whether run_name names a run (given by the user) rather than being the default
+    `<exp_name>-<run id>`, which is new for every run and so never names an earlier one."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(cfg, resolve=False).get("run_name")
+    return "dflash_run_id" not in str(raw)
+
+
 def setup() -> None:
     register_configs()
     if not OmegaConf.has_resolver("dflash_run_id"):

@@ -8,13 +8,14 @@ Exit codes: 0 done; 2 bad input (a config value, a missing file: one `error: ...
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
 import time
 import traceback
 
 from .build import BadBatchError
-from .cli import typed
+from .cli import names_run, typed
 from .colocated import run_colocated
 from .comm import (
     EXIT_PIPELINE,
@@ -26,6 +27,7 @@ from .comm import (
     shutdown,
 )
 from .config import RunConfig
+from .rundir import RunFinished, drop_unused_dir, plan_run
 from .split.run import run_split
 from .split.schedule import Roles
 
@@ -42,12 +44,19 @@ def launch(cfg, run_dir: str) -> None:
     topology=split) runs as one rank of a torch.distributed job."""
     try:
         rc = typed(cfg)
-        _, world, _ = launcher_env()
+        rank, world, _ = launcher_env()
         distributed = rc.topology.mode == "split" or world > 1
         roles = Roles.from_topology(rc.topology, world) if distributed else None
+        plan = plan_run(rc, run_dir, named=names_run(cfg))
+        if rank == 0:
+            drop_unused_dir(run_dir, plan.run_dir)
+        rc, run_dir = dataclasses.replace(rc, resume=plan.ckpt), plan.run_dir
         if not distributed:
             run_colocated(rc, run_dir)
             return
+    except RunFinished as e:
+        print(e, flush=True)
+        return
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)

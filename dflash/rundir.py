@@ -1,0 +1,220 @@
+"""Which run directory a training run writes to, and what `resume` continues.
+
+A run is identified by its directory `<out_root>/<run_name>` and by what `run_config.json` there
+records (`exp_name` included). `resume=true` continues, in its own directory (so the data and eval
+caches and `metrics.jsonl` are the run's own): the run named by `run_name`; without a run name,
+the newest run whose recorded `exp_name` equals this one (a field comparison, not a name prefix).
+`resume=PATH` continues the run that PATH (a run or step directory) belongs to, unless `run_name`
+names another directory to continue it in. A resumed run must train on the same data and the same
+model: a changed key that would alter them is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+from .checkpoint import find_checkpoint
+from .config import RunConfig
+
+RUN_CONFIG = "run_config.json"
+
+# Keys a resumed run may change: where and how it runs, logs, evaluates and saves. Everything
+# else (data.*, target.*, drafter.*, the loss, the anchors, the seeds, the schedule and the
+# optimizer) defines the data or the model of the run and must stay as the run started.
+SAFE_KEYS = (
+    "exp_name",
+    "run_name",
+    "out_root",
+    "resume",
+    "ckpt",
+    "out",
+    "logger.",
+    "eval.",
+    "topology.",
+    "data.cache_dir",
+    "drafter.init_from",  # the checkpoint's weights replace it
+    "target.device",
+    "target.linear_attn_backend",
+    "target.attn_implementation",
+    "train.dtype",
+    "train.lm_head_chunk",
+    "train.allow_soft_loss",
+    "train.log_every",
+    "train.eval_every",
+    "train.save_every",
+    "train.keep_last",
+    # the sample order is by absolute position: another layout may cut it into steps differently
+    "train.micro_batch_size",
+    "train.grad_accum",
+)
+SCHEDULE_KEYS = ("train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_ratio")
+
+
+class RunFinished(Exception):
+    """resume of a run whose checkpoint is at train.steps: nothing to do (exit 0)."""
+
+
+@dataclass
+class RunPlan:
+    run_dir: str
+    ckpt: str | None  # the step directory to continue from; None: a fresh run
+    step: int = 0
+
+
+def is_off(resume) -> bool:
+    return resume is None or str(resume).lower() in ("false", "none", "null", "")
+
+
+def checkpoint_step(ckpt: str) -> int:
+    name = os.path.basename(os.path.normpath(ckpt))
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    import torch
+
+    from .checkpoint import STATE_FILE
+
+    return int(torch.load(os.path.join(ckpt, STATE_FILE), weights_only=False)["step"])
+
+
+def run_dir_of(ckpt: str) -> str | None:
+    """The run directory a step directory belongs to (`<run>/checkpoints/step_N`), else None."""
+    parent = os.path.dirname(os.path.abspath(ckpt))
+    if os.path.basename(parent) == "checkpoints":
+        return os.path.dirname(parent)
+    return None
+
+
+def _checkpoint_or_none(path: str) -> str | None:
+    try:
+        return find_checkpoint(path)
+    except FileNotFoundError:
+        return None
+
+
+def read_run_config(run_dir: str | None) -> dict | None:
+    path = os.path.join(run_dir, RUN_CONFIG) if run_dir else None
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def newest_run_of(out_root: str, exp_name: str) -> str:
+    """The checkpoint of the newest run under out_root whose run_config.json records exp_name."""
+    found = []
+    for d in glob.glob(os.path.join(out_root, "*")):
+        saved = read_run_config(d)
+        ck = _checkpoint_or_none(d) if saved and saved.get("exp_name") == exp_name else None
+        if ck:
+            found.append((os.path.getmtime(ck), ck))
+    if not found:
+        raise FileNotFoundError(
+            f"resume=true but no run of experiment exp_name={exp_name} with a checkpoint under "
+            f"out_root={out_root!r}; pass resume=/path/to/run_or_step_dir, or run_name=NAME "
+            "to continue that run"
+        )
+    return max(found)[1]
+
+
+def plan_run(cfg: RunConfig, run_dir: str, named: bool) -> RunPlan:
+    """run_dir: the directory this run would write to if it were new (`<out_root>/<run_name>`);
+    named: run_name was given (not the default `<exp_name>-<run id>`), so it names a run."""
+    if is_off(cfg.resume):
+        ck = _checkpoint_or_none(run_dir)
+        if ck:
+            raise ValueError(
+                f"run dir {run_dir} already has a checkpoint ({os.path.basename(ck)}): pass "
+                "resume=true to continue it, or another run_name for a new run"
+            )
+        return RunPlan(run_dir, None)
+    if str(cfg.resume).lower() == "true":
+        own = _checkpoint_or_none(run_dir)
+        if named or own:  # the same run id again (torchrun --rdzv-id) names the run too
+            if not own:
+                raise FileNotFoundError(
+                    f"resume=true: run {run_dir} has no checkpoint to continue (run_name="
+                    f"{os.path.basename(run_dir)}); run without resume to start it"
+                )
+            ck = own
+        else:
+            ck = newest_run_of(cfg.out_root, cfg.exp_name)
+            run_dir = run_dir_of(ck)
+    else:
+        ck = find_checkpoint(str(cfg.resume))
+        if not named:
+            run_dir = run_dir_of(ck) or run_dir
+    plan = RunPlan(os.path.normpath(run_dir), ck, checkpoint_step(ck))
+    check_same_run(cfg, read_run_config(run_dir_of(ck)), ck)
+    if plan.step >= cfg.train.steps:
+        raise RunFinished(
+            f"run {plan.run_dir} is finished: its checkpoint {ck} is at step {plan.step} "
+            f"(train.steps={cfg.train.steps}); nothing to do. To train it further start a new "
+            f"run from it: drafter.init_from={ck} (a new schedule; raising train.steps here "
+            "would jump the cosine learning rate)"
+        )
+    return plan
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not (prefix + k).startswith("target.config"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_KEYS)
+
+
+def check_same_run(cfg: RunConfig, saved: dict | None, ckpt: str) -> None:
+    """Refuse to continue a run on other data or another model than it started with."""
+    if saved is None:
+        return  # a step directory outside a run: only the drafter's config can be checked
+    now = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
+    old = _flat(saved)
+    for key in sorted(now):
+        if key in old and not _safe(key) and now[key] != old[key]:
+            how = (
+                f"a new schedule: start a new run from the checkpoint with drafter.init_from={ckpt}"
+                if key in SCHEDULE_KEYS
+                else "set it back, or start a new run (another run_name, without resume)"
+            )
+            raise ValueError(
+                f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "
+                f"would change the data or the model of the run being continued; {how}"
+            )
+
+
+def keep_metrics_until(run_dir: str, step: int) -> None:
+    """Drop the metric rows past the checkpoint being continued (they are trained again), in
+    place, so the file stays the run's one metrics.jsonl."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "r+") as f:
+        keep = 0
+        for line in iter(f.readline, ""):
+            try:
+                if json.loads(line).get("step", 0) > step:
+                    break
+            except json.JSONDecodeError:  # a half-written last row of a killed run
+                break
+            keep = f.tell()
+        f.truncate(keep)
+
+
+def drop_unused_dir(path: str, used: str) -> None:
+    """Hydra made `path` for a new run; the run continues in `used` instead. Leave nothing behind
+    but only remove what Hydra itself wrote."""
+    if os.path.abspath(path) == os.path.abspath(used) or not os.path.isdir(path):
+        return
+    if set(os.listdir(path)) <= {".hydra"}:
+        shutil.rmtree(path, ignore_errors=True)

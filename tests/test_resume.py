@@ -1,0 +1,174 @@
+"""Resume semantics: which run `resume` continues, in which directory, on which config."""
+
+import json
+import os
+
+import pytest
+from conftest import CONF, make_drafter
+
+from dflash.build import write_run_config
+from dflash.checkpoint import save_checkpoint
+
+FAST = [
+    "train.save_every=3",
+    "train.eval_every=1000",
+    "train.log_every=1",
+    "train.micro_batch_size=2",
+    "train.max_anchors=6",
+    "data.num_samples=8",
+    "data.response_len=12",
+    "eval.enabled=false",
+    "logger=console",
+]
+
+
+def compose(out_root, *over):
+    from hydra import compose as hcompose
+    from hydra import initialize_config_dir
+
+    from dflash.cli import setup
+
+    setup()
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return hcompose("config", overrides=[f"out_root={out_root}", *FAST, *over])
+
+
+def typed(out_root, *over):
+    from dflash.cli import typed as to_typed
+
+    return to_typed(compose(out_root, *over))
+
+
+def fake_run(tiny_qwen, run_dir, step, *over, out_root=None):
+    """A run directory as training leaves it: run_config.json and a checkpoint at `step`."""
+    cfg = typed(out_root or os.path.dirname(run_dir), *over)
+    save_checkpoint(str(run_dir), step, make_drafter(tiny_qwen), {})
+    write_run_config(cfg, str(run_dir))
+    return cfg
+
+
+def test_resume_true_picks_exactly_this_experiment(tiny_qwen, tmp_path):
+    """exp_name=a resumes a run of experiment `a`, never a newer `a-lr3-*` run whose directory
+    merely starts with `a-` (a name prefix is not an experiment)."""
+    from dflash.rundir import plan_run
+
+    fake_run(tiny_qwen, tmp_path / "a-20260101", 2, "exp_name=a", "train.steps=10")
+    fake_run(tiny_qwen, tmp_path / "a-lr3-20270101", 5, "exp_name=a-lr3", "train.steps=10")  # newer
+    os.utime(tmp_path / "a-20260101" / "checkpoints" / "step_00000002", (1, 1))
+    cfg = typed(tmp_path, "exp_name=a", "resume=true", "train.steps=10")
+    plan = plan_run(cfg, str(tmp_path / "a-now"), named=False)
+    assert plan.run_dir == str(tmp_path / "a-20260101") and plan.step == 2
+    assert plan.ckpt.endswith(os.path.join("a-20260101", "checkpoints", "step_00000002"))
+    # and the `a-lr3` experiment resumes its own run
+    cfg = typed(tmp_path, "exp_name=a-lr3", "resume=true", "train.steps=10")
+    assert plan_run(cfg, str(tmp_path / "x"), named=False).run_dir == str(
+        tmp_path / "a-lr3-20270101"
+    )
+    # no run of the experiment: an error naming it, not another experiment's run
+    cfg = typed(tmp_path, "exp_name=b", "resume=true", "train.steps=10")
+    with pytest.raises(FileNotFoundError, match="exp_name=b"):
+        plan_run(cfg, str(tmp_path / "b-now"), named=False)
+
+
+def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_path, capsys):
+    """resume=true run_name=r continues run r in <out_root>/r: the data cache there is read (not
+    regenerated), metrics.jsonl continues with no row twice, nothing else is written."""
+    from dflash.colocated import run_colocated
+    from dflash.launch import launch
+
+    run_dir = tmp_path / "r"
+    # an interrupted run: checkpoint at step 3, metric rows logged up to step 4
+    run_colocated(typed(tmp_path, "run_name=r", "train.steps=6"), str(run_dir), stop_at=4)
+    assert "regenerating" in capsys.readouterr().out
+    rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
+    other = compose(tmp_path, "run_name=r", "train.steps=6", "resume=true", "train.log_every=2")
+    launch(other, str(run_dir))
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 3" in out
+    assert "from cache" in out and "regenerating" not in out
+    steps = [json.loads(x)["step"] for x in open(run_dir / "metrics.jsonl")]
+    train_steps = [json.loads(x)["step"] for x in open(run_dir / "metrics.jsonl") if "loss" in x]
+    assert train_steps == [1, 2, 3, 4, 6] and steps == sorted(steps)
+    assert sorted(os.listdir(run_dir / "checkpoints")) == [
+        "latest",
+        "step_00000003",
+        "step_00000006",
+    ]
+    assert sorted(os.listdir(tmp_path)) == ["r"]
+
+
+def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, tmp_path):
+    """The new run dir Hydra made (only .hydra in it) is dropped; the old one is used."""
+    from dflash import launch as launch_mod
+
+    fake_run(tiny_qwen, tmp_path / "e-1", 2, "exp_name=e", "train.steps=9")
+    fresh = tmp_path / "e-2"
+    (fresh / ".hydra").mkdir(parents=True)
+    got = {}
+
+    def fake_run_colocated(cfg, run_dir):
+        got.update(cfg=cfg, run_dir=run_dir)
+
+    launch_mod.run_colocated, real = fake_run_colocated, launch_mod.run_colocated
+    try:
+        launch_mod.launch(
+            compose(tmp_path, "exp_name=e", "resume=true", "train.steps=9"), str(fresh)
+        )
+    finally:
+        launch_mod.run_colocated = real
+    assert got["run_dir"] == str(tmp_path / "e-1")
+    assert got["cfg"].resume.endswith(os.path.join("e-1", "checkpoints", "step_00000002"))
+    assert not fresh.exists()
+
+
+@pytest.mark.parametrize(
+    "key,new",
+    [("data.num_samples", "16"), ("drafter.block_size", "4"), ("train.max_anchors", "7")],
+)
+def test_resume_refuses_a_change_of_data_or_model(tiny_qwen, tmp_path, capsys, key, new):
+    from dflash.launch import launch
+
+    fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.steps=10")
+    cfg = compose(tmp_path, "run_name=r", "train.steps=10", "resume=true", f"{key}={new}")
+    with pytest.raises(SystemExit) as e:
+        launch(cfg, str(tmp_path / "r"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"resume: {key} changed" in err and f"-> {new}" in err and "new run" in err
+    assert "Traceback" not in err
+
+
+def test_resume_allows_logging_and_eval_changes(tiny_qwen, tmp_path):
+    from dflash.rundir import plan_run
+
+    fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.steps=10")
+    cfg = typed(tmp_path, "run_name=r", "train.steps=10", "resume=true", "train.eval_every=7")
+    cfg.logger.kind, cfg.eval.num_prompts = "none", 3
+    assert plan_run(cfg, str(tmp_path / "r"), named=True).step == 2
+
+
+def test_resume_of_a_finished_run_says_so_and_writes_nothing(tiny_qwen, tmp_path, capsys):
+    from dflash.launch import launch
+
+    fake_run(tiny_qwen, tmp_path / "f-1", 10, "exp_name=f", "train.steps=10")
+    before = sorted(os.walk(tmp_path))
+    launch(compose(tmp_path, "exp_name=f", "train.steps=10", "resume=true"), str(tmp_path / "f-2"))
+    out = capsys.readouterr().out
+    assert "is finished" in out and "step 10" in out and "drafter.init_from=" in out
+    assert sorted(os.walk(tmp_path)) == before
+    # a longer schedule is refused with the way to get one
+    with pytest.raises(SystemExit):
+        launch(
+            compose(tmp_path, "exp_name=f", "train.steps=20", "resume=true"), str(tmp_path / "f-3")
+        )
+    err = capsys.readouterr().err
+    assert "train.steps changed (10 -> 20)" in err and "drafter.init_from=" in err
+
+
+def test_new_run_into_a_dir_with_checkpoints_is_refused(tiny_qwen, tmp_path):
+    from dflash.rundir import plan_run
+
+    fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r")
+    with pytest.raises(ValueError, match="resume=true"):
+        plan_run(typed(tmp_path, "run_name=r"), str(tmp_path / "r"), named=True)
