@@ -254,8 +254,15 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     top_p: float = 1.0
     top_k: int = 0
+    # eval.py: also decode the first N eval prompts for real, sampled at each temperature
+    # (dflash.decode_eval: decode_tau_t{T} beside the offline tau_t{T} on the same prompts)
+    real_decode_prompts: int = 0
 
     def validate(self) -> None:
+        if self.real_decode_prompts < 0:
+            raise ValueError(
+                f"eval.real_decode_prompts must be >= 0, got {self.real_decode_prompts}"
+            )
         bad = [b for b in self.budgets if b < 1]
         if bad:
             raise ValueError(f"eval.budgets must all be >= 1 (DDTree node budgets); got {bad}")

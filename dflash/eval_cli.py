@@ -8,6 +8,7 @@ import os
 
 from .checkpoint import load_drafter
 from .config import DataConfig, EvalConfig, RunConfig, TargetConfig
+from .decode_eval import decode_report
 from .evaluation import build_eval_set, evaluate
 from .report import print_report, write_json
 from .shape import Heads
@@ -83,6 +84,8 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         top_p=rc.eval.top_p,
         top_k=rc.eval.top_k,
     )
+    if rc.eval.real_decode_prompts:
+        summary.update(decode_report(target, drafter, items, rc.eval.real_decode_prompts, rc.eval))
     print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
     if rc.out:
         meta = {

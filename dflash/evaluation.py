@@ -25,7 +25,8 @@ from .drafter import DFlashDrafter
 from .metrics import evaluate_prompt, summarize
 from .sampling import expected_accepted, overlap, warp
 
-SAMPLING_KEYS = ("temperatures", "top_p", "top_k")  # evaluation-time only: not in the cache key
+# evaluation-time only: not in the cache key
+SAMPLING_KEYS = ("temperatures", "top_p", "top_k", "real_decode_prompts")
 
 
 @dataclass

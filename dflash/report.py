@@ -51,6 +51,7 @@ def print_report(
         "streak",
         "tau",
         *sorted(k for k in summary if k.startswith("tau_t")),
+        *sorted(k for k in summary if k.startswith("decode_")),
         *[f"dds@{b}" for b in budgets],
         *[f"tau@{b}" for b in budgets],
         *sorted(

@@ -1,7 +1,9 @@
-"""Real speculative decoding with the target verifying (batch size 1, temperature 0).
+"""Real speculative decoding with the target verifying (batch size 1; greedy, and sampled in
+`sampled`).
 
 Modules: `cache` (transformers cache surgery), `steps` (result, target and drafter steps),
-`chain` (AR baseline and chain decoding), `tree` (DDTree decoding).
+`chain` (AR baseline and chain decoding), `tree` (DDTree decoding), `sampled` (temperature /
+top-p / top-k: `sample_ar` and `sample_chain` with rejection sampling, seeded).
 
 Three decoders over the same HF target, all returning a `DecodeResult`:
 
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 from .cache import is_hybrid_cache, new_cache
 from .chain import ExactRollback, generate_ar, generate_chain
+from .sampled import Sampling, sample_ar, sample_chain
 from .steps import DecodeResult
 from .tree import generate_tree
 
@@ -75,4 +78,7 @@ __all__ = [
     "generate_tree",
     "is_hybrid_cache",
     "new_cache",
+    "Sampling",
+    "sample_ar",
+    "sample_chain",
 ]

@@ -70,11 +70,13 @@ class TargetRunner:
         attn_mask=None,
         want_aux: bool = True,
         last_only: bool = False,
+        logits: bool = False,
     ):
         """Returns the target's greedy tokens [N, T] ([N, 1] with last_only) and aux [N, T, K*H]
         (or None). Runs the decoder and takes the argmax of lm_head in chunks
         (`Target.greedy_from_hidden`, as `Target.capture`), so the full [N, T, V] logits of a
-        large tree batch are never held."""
+        large tree batch are never held. logits=True (sampled decoding, one chain): fp32 logits
+        [N, T, V] instead of the greedy tokens."""
         with self.target.tap_aux(enabled=want_aux) as taps:
             out = self.decoder(
                 input_ids=ids_NT,
@@ -86,6 +88,8 @@ class TargetRunner:
         final = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         if last_only:
             final = final[:, -1:]
+        if logits:
+            return self.target.lm_head(final).float(), taps.aux()
         return self.target.greedy_from_hidden(final, 4096), taps.aux()
 
 

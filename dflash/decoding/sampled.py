@@ -1,0 +1,165 @@
+"""Sampled decoding (temperature, top-p, top-k) as the reference's generation samples: the AR
+baseline and chain speculative decoding with rejection sampling on the drafted block.
+
+Target and drafter logits go through the same `dflash.sampling.warp`. Each round the D draft
+tokens are sampled from the drafter's warped q_1..q_D (all D from one drafter pass, as DFlash
+drafts), the block [bonus, drafts] is verified in one target forward giving p_0..p_D, and
+`rejection_sample_block` accepts a leading run of drafts and emits the next token (resampled
+from max(p - q, 0) at the first rejection, else the bonus from p_D). Every emitted token is then
+distributed as plain sampling from the target would give it. One `torch.Generator` seeded by
+`Sampling.seed` drives every draw, so a decode is reproducible.
+
+At temperature 0 every distribution is the one-hot argmax: drafts are the drafter's argmax, a
+draft is accepted iff it equals the target's argmax, the next token is the target's argmax, so
+the output and the per-round acceptances are those of `generate_ar` / `generate_chain`
+(tested). Cache rollback, the end-of-generation cap and `DecodeResult` are the chain's.
+
+Legend: P prompt length, B block size, D = B-1 drafted positions, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import rejection_sample_block, warp
+from .cache import cache_kw, new_cache
+from .chain import ExactRollback
+from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp(logits, self.temperature, self.top_p, self.top_k)
+
+    def generator(self, device) -> torch.Generator:
+        return torch.Generator(device=device).manual_seed(self.seed)
+
+    @property
+    def tag(self) -> str:
+        return f"t{self.temperature:g}"
+
+
+def _draw(probs_V: torch.Tensor, gen: torch.Generator) -> int:
+    return int(torch.multinomial(probs_V, 1, generator=gen))
+
+
+@torch.no_grad()
+def sample_ar(
+    target, prompt_ids, max_new_tokens: int, sampling: Sampling, eos_token_id: int | None = None
+) -> DecodeResult:
+    """Plain sampling from the target on the HF cache, one token per forward."""
+    model, dev = target.model, target.device
+    gen = sampling.generator(dev)
+    ids = as_prompt(target, prompt_ids)
+    P = ids.shape[1]
+    sync(dev)
+    t0 = time.perf_counter()
+    cache, kw = new_cache(model), cache_kw(model)
+    logits = model(
+        input_ids=ids,
+        position_ids=arange_row(0, P, dev),
+        use_cache=True,
+        logits_to_keep=1,
+        **{kw: cache},
+    ).logits
+    tok = _draw(sampling.probs(logits[0, -1]), gen)
+    sync(dev)
+    t_pre = time.perf_counter() - t0
+    out = [tok]
+    while len(out) < max_new_tokens and tok != eos_token_id:
+        logits = model(
+            input_ids=torch.tensor([[tok]], device=dev),
+            position_ids=arange_row(P + len(out) - 1, 1, dev),
+            use_cache=True,
+            **{kw: cache},
+        ).logits
+        tok = _draw(sampling.probs(logits[0, -1]), gen)
+        out.append(tok)
+    sync(dev)
+    res = DecodeResult(f"ar_{sampling.tag}", out[:max_new_tokens], wall_s=time.perf_counter() - t0)
+    res.prefill_s = t_pre
+    res.verify_tokens = max(0, len(res.tokens) - 1)
+    return res
+
+
+@torch.no_grad()
+def sample_chain(
+    target,
+    drafter,
+    prompt_ids,
+    max_new_tokens: int,
+    sampling: Sampling,
+    *,
+    eos_token_id: int | None = None,
+    rollback: ExactRollback | None = None,
+    draft_fn: Callable | None = None,
+) -> DecodeResult:
+    """Chain speculative decoding with rejection sampling; output distributed as `sample_ar`.
+
+    draft_fn(drafter_state, start, bonus) -> logits [D, V], or (logits, tokens [D]) for a
+    drafter that draws its own tokens (tests: a sequential oracle whose q is the target's p)."""
+    rollback = rollback if rollback is not None else ExactRollback()
+    model, dev = target.model, target.device
+    gen = sampling.generator(dev)
+    run = TargetRunner(target)
+    ids = as_prompt(target, prompt_ids)
+    P = ids.shape[1]
+    B = drafter.spec.block_size
+    sync(dev)
+    t0 = time.perf_counter()
+    cache = new_cache(model)
+    rollback.begin(cache)
+    logits, aux = run(ids, arange_row(0, P, dev), cache, last_only=True, logits=True)
+    out = [_draw(sampling.probs(logits[0, -1]), gen)]
+    ds = DrafterState(target, drafter)
+    ds.append(aux[0])
+    sync(dev)
+    res = DecodeResult(f"chain_{sampling.tag}", [], prefill_s=time.perf_counter() - t0)
+    start = P
+    draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
+    while len(out) < max_new_tokens and out[-1] != eos_token_id:
+        bonus = out[-1]
+        drafted = draft_fn(ds, start, bonus)
+        if isinstance(drafted, tuple):
+            q, draft = sampling.probs(drafted[0].to(dev)), drafted[1].to(dev)
+        else:
+            q = sampling.probs(drafted.to(dev))  # [D, V]
+            draft = torch.multinomial(q, 1, generator=gen)[:, 0]
+        block = torch.cat([torch.tensor([bonus], device=dev), draft])[None]
+        snap = rollback.before_verify(cache)
+        logits, aux = run(block, arange_row(start, B, dev), cache, logits=True)
+        res.verify_tokens += B
+        acc, nxt = rejection_sample_block(sampling.probs(logits[0]), q, draft, gen)
+        cap = max_new_tokens - len(out)
+        if acc > cap:  # the last round: accepted drafts past the budget are not needed
+            acc, nxt = cap, int(draft[cap])
+        new = draft[:acc].tolist() + [nxt]
+        keep = acc + 1  # bonus + accepted drafts
+
+        def rerun(keep=keep, block=block, start=start):
+            run(
+                block[:, :keep], arange_row(start, keep, dev), cache, want_aux=False, last_only=True
+            )
+
+        res.verify_tokens += rollback.rollback(cache, snap, B, keep, rerun)
+        ds.append(aux[0, :keep])
+        res.accepted.append(acc)
+        res.drafts.append(draft.tolist())
+        out.extend(new)
+        start += keep
+        if eos_token_id is not None and eos_token_id in new:
+            break
+    sync(dev)
+    res.tokens = finish(out, max_new_tokens, eos_token_id)
+    res.wall_s = time.perf_counter() - t0
+    return res
