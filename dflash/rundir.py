@@ -187,9 +187,10 @@ def check_same_run(cfg: RunConfig, saved: dict | None, ckpt: str) -> None:
                 if key in SCHEDULE_KEYS
                 else "set it back, or start a new run (another run_name, without resume)"
             )
+            what = "schedule" if key in SCHEDULE_KEYS else "data or model"
             raise ValueError(
                 f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "
-                f"would change the data or the model of the run being continued; {how}"
+                f"would change the {what} of the run being continued; {how}"
             )
 
 

@@ -158,9 +158,7 @@ def test_sampled_output_is_distributed_as_target_sampling(name):
         tuple(sample_ar(target, prompt, 3, Sampling(0.02, top_k=3, seed=s)).tokens)
         for s in range(N)
     ]
-    wrong = [
-        tuple(sample_ar(target, prompt, 3, Sampling(0.1, top_k=3, seed=s)).tokens) for s in range(N)
-    ]
+    wrong = _exact_joint(target, prompt, Sampling(0.3, top_k=3), 3)
     for pos in (1, 2):
         want = _marginal(joint, pos)
         bound = _bound(want, N)
