@@ -25,8 +25,7 @@ def print_report(
         "prompt",
         "rounds",
         "streak",
-        "tau",
-        *sorted(k for k in summary if k.startswith("tau_t")),
+        "tau",  # tau_t{T} is a summary figure only: rows carry no per-prompt value for it
         *[f"dds@{b}" for b in budgets],
         "first rounds",
     ]:

@@ -43,6 +43,8 @@ SAFE_KEYS = (
     "target.attn_implementation",
     "train.dtype",
     "train.lm_head_chunk",
+    "train.attn_kernel",
+    "train.compile",
     "train.allow_soft_loss",
     "train.log_every",
     "train.eval_every",

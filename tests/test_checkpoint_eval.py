@@ -249,3 +249,25 @@ def test_report_json_is_strict(tmp_path):
 
     write_json(str(tmp_path / "r.json"), [], {"tau": float("nan"), "x": [1.0, float("inf")]}, {})
     assert json.load(open(tmp_path / "r.json"))["summary"] == {"tau": None, "x": [1.0, None]}
+
+
+def test_per_prompt_table_columns_hold_their_own_values():
+    """tau_t{T} is summary-only: the per-prompt table must not shift dds values under it."""
+    from rich.console import Console
+
+    from dflash.report import print_report
+
+    class Rep:
+        def to_dict(self):
+            return dict(
+                prompt_id=0, num_rounds=3, streak=0.5, tau=1.5, matches=[], **{"dds@4": 0.25}
+            )
+
+    con = Console(width=200, record=True)
+    print_report([Rep()], {"tau": 1.5, "tau_t0.7": 2.0, "dds@4": 0.25}, [4], console=con)
+    lines = con.export_text().splitlines()
+    head = next(x for x in lines if "dds@4" in x and "prompt" in x)
+    row = next(x for x in lines if x.strip().startswith("│") and "1.500" in x)
+    cols = [c.strip() for c in head.strip("┃ ").split("┃")]
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert dict(zip(cols, cells))["dds@4"] == "0.250"
