@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/bench_decode.py [--targets tiny_llama,tiny_qwen3_5]
         [--drafter random|oracle] [--ckpt PATH] [--budgets 4,16,64] [--prompts 3]
-        [--prompt-len 32] [--new-tokens 64] [--block-size 16]
+        [--prompt-len 32] [--new-tokens 64] [--block-size 16] [--temperature T]
 
 For each target (a conf/target/*.yaml name) and drafter, decodes the same prompts with
 `generate_ar`, `generate_chain` and `generate_tree` (one per budget), checks that every output
@@ -13,7 +13,9 @@ token come from it), `random` (random weights: tau ~ 1, shows the pure overhead 
 verifying), `oracle` (dflash.testing.OracleDrafter over the random drafter: the target's own
 greedy tokens pushed in with a hashed pattern of hits, runner-ups and misses; an instrument to
 time the acceptance regime of a trained drafter, not a drafter). Prompts are random token ids.
-Exit status 1 if any output differs from AR.
+`--temperature T` > 0 adds sampled AR and sampled chain decoding (`sample_ar`, `sample_chain`,
+seeded per prompt): their outputs are samples, so they are timed but not compared with AR.
+Exit status 1 if any greedy output differs from AR.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.decoding import generate_ar, generate_chain, generate_tree
+from dflash.decoding import (  # noqa: E402
+    Sampling,
+    generate_ar,
+    generate_chain,
+    generate_tree,
+    sample_ar,
+    sample_chain,
+)
 from dflash.testing import OracleDrafter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,6 +94,12 @@ def main() -> int:
     ap.add_argument("--num-aux", type=int, default=3)
     ap.add_argument("--drafter-layers", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="> 0: also sampled AR and sampled chain decoding (seeded; not compared to AR)",
+    )
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",") if b]
     torch.manual_seed(args.seed)
@@ -138,6 +153,19 @@ def main() -> int:
                 r["acc"] += res.accepted
                 r["same"] &= same
                 r["vt"] += res.verify_tokens
+            if args.temperature > 0:
+                s = Sampling(args.temperature, seed=args.seed + i)
+                for res in (
+                    sample_ar(target, prompt, args.new_tokens, s),
+                    sample_chain(target, d, prompt, args.new_tokens, s),
+                ):
+                    r = rows.setdefault(
+                        res.mode, {"tokens": 0, "wall": 0.0, "acc": [], "same": None, "vt": 0}
+                    )
+                    r["tokens"] += len(res.tokens)
+                    r["wall"] += res.wall_s
+                    r["acc"] += res.accepted
+                    r["vt"] += res.verify_tokens
         ar_tps = rows["ar"]["tokens"] / rows["ar"]["wall"]
         print(
             f"{'mode':>9} {'tokens':>7} {'rounds':>7} {'tau':>6} {'verify tok':>10} {'wall s':>8} "
@@ -146,9 +174,10 @@ def main() -> int:
         for mode, r in rows.items():
             tps = r["tokens"] / r["wall"]
             tau = f"{statistics.mean(r['acc']) + 1:.2f}" if r["acc"] else "-"
+            same = "-" if r["same"] is None else "yes" if r["same"] else "NO"
             print(
                 f"{mode:>9} {r['tokens']:>7} {len(r['acc']) or '-':>7} {tau:>6} {r['vt']:>10} "
-                f"{r['wall']:>8.3f} {tps:>8.1f} {tps / ar_tps:>5.2f}x {'yes' if r['same'] else 'NO':>6}"
+                f"{r['wall']:>8.3f} {tps:>8.1f} {tps / ar_tps:>5.2f}x {same:>6}"
             )
     if not ok:
         print("\nERROR: some speculative output differs from greedy decoding")
