@@ -66,22 +66,25 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
     try:
         run_colocated(rc, run_dir.path)
     except Interrupted as e:
-        run_dir.close(ok=True)
-        _exit(resume_cmd.line(e), EXIT_INTERRUPTED)
+        _finish(run_dir, True, resume_cmd.line(e), EXIT_INTERRUPTED)
     except KeyboardInterrupt:
-        run_dir.close(ok=False)
-        _exit(resume_cmd.line(None), EXIT_INTERRUPTED)
+        _finish(run_dir, False, resume_cmd.line(None), EXIT_INTERRUPTED)
     except (ValueError, FileNotFoundError) as e:
-        run_dir.close(ok=False)
-        _exit(f"error: {e}", EXIT_BAD_INPUT)
+        _finish(run_dir, False, f"error: {e}", EXIT_BAD_INPUT)
     except BaseException:
         run_dir.close(ok=False)
         raise
     run_dir.close(ok=True)
 
 
-def _exit(msg: str, code: int) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def _finish(run_dir: RunDir, ok: bool, msg: str, code: int, hard: bool = False) -> None:
+    """The last line goes to the console and the log, then the log closes (a run dir of a start
+    that failed is removed) and the process exits; `hard`: without teardown (see comm.die)."""
+    if msg:
+        print(msg, file=sys.stderr, flush=True)
+    run_dir.close(ok)
+    if hard:
+        die("", code)
     sys.exit(code)
 
 
@@ -121,8 +124,7 @@ def run_distributed(
             cfg.topology.backend, cfg.topology.timeout_s, cfg.topology.startup_timeout_s
         )
     except (ValueError, FileNotFoundError) as e:
-        run_dir.close(ok=False)
-        die(f"{tag} error: {e}", EXIT_BAD_INPUT)
+        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
     try:
         if roles is None:
             run_colocated(cfg, run_dir.path, ctx=ctx)
@@ -136,17 +138,14 @@ def run_distributed(
             ) from None
         ok = True
     except Interrupted as e:
-        run_dir.close(ok=True)
-        die(resume_cmd.line(e) if rank == 0 else "", EXIT_INTERRUPTED)
+        _finish(run_dir, True, resume_cmd.line(e) if rank == 0 else "", EXIT_INTERRUPTED, True)
     except KeyboardInterrupt:
-        run_dir.close(ok=False)
-        die(f"{tag} {resume_cmd.line(None)}" if rank == 0 else "", EXIT_INTERRUPTED)
+        msg = f"{tag} {resume_cmd.line(None)}" if rank == 0 else ""
+        _finish(run_dir, False, msg, EXIT_INTERRUPTED, hard=True)
     except (PeerError, BadBatchError) as e:
-        run_dir.close(ok=False)
-        die(f"{tag} pipeline stopped: {e}", EXIT_PIPELINE)
+        _finish(run_dir, False, f"{tag} pipeline stopped: {e}", EXIT_PIPELINE, hard=True)
     except (ValueError, FileNotFoundError) as e:
-        run_dir.close(ok=False)
-        die(f"{tag} error: {e}", EXIT_BAD_INPUT)
+        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
     except BaseException as e:  # noqa: BLE001 - any other failure must still end the process
         run_dir.close(ok=False)
         _die_of(e, tag, ctx, wait_for_receiver=roles is not None)
