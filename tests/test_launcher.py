@@ -187,3 +187,21 @@ def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
     )
     assert "is not a directory" in _error_line(r)
     assert set(os.listdir(ROOT)) == before
+
+
+def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys):
+    import dflash.preflight as P
+    from dflash.tools import parity
+
+    monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
+    argv = [
+        "--target",
+        "qwen3_6_27b_random",
+        "--a",
+        "torch:bfloat16:cuda",
+        "--b",
+        "fla:bfloat16:cuda",
+    ]
+    t0 = time.monotonic()
+    assert parity.main(argv) == 2
+    assert "no CUDA device" in capsys.readouterr().err and time.monotonic() - t0 < 10
