@@ -210,11 +210,15 @@ class TrainConfig:
     # Ctrl-C: finish the step, save it, print the resume command (a step costs less to save than
     # up to save_every steps cost to redo)
     save_on_interrupt: bool = True
+    dist: str = "ddp"  # trainer ranks: ddp | fsdp | deepspeed (dflash.parallelize)
+    zero_stage: int = 1  # train.dist=deepspeed: ZeRO stage 1, 2 or 3
 
     def validate(self) -> None:
         _check_choice("train.dtype", self.dtype, DTYPES)
         _check_choice("train.loss", self.loss, LOSSES)
         _check_choice("train.attn_kernel", self.attn_kernel, ("auto", "flex", "sdpa"))
+        _check_choice("train.dist", self.dist, ("ddp", "fsdp", "deepspeed"))
+        _check_choice("train.zero_stage", self.zero_stage, (1, 2, 3))
         if self.loss == "soft_kl" and not self.allow_soft_loss:
             raise ValueError(
                 "train.loss=soft_kl trains a soft objective while acceptance is judged by the "

@@ -53,8 +53,10 @@ def train_loop(
     tc = cfg.train
     last: dict = {}
     first_eval = None
+    if cfg.eval.enabled and trainer.step == 0:
+        drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
     if evaluator is not None and trainer.step == 0:
-        first_eval = evaluator.run(trainer.drafter, trainer.heads)
+        first_eval = evaluator.run(drafter, trainer.heads)
         logger.log(first_eval, step=0)
         logger.log_eval(evaluator.reports, 0)
     bar = tqdm(
@@ -105,18 +107,21 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         metrics.update(source.interval_metrics())
         logger.log(metrics, step)
     last.update(metrics)
-    if evaluator is not None and (step % tc.eval_every == 0 or step == tc.steps):
-        ev = evaluator.run(trainer.drafter, trainer.heads)
+    interrupted = stop.agreed(trainer.dp_group if trainer.dp_world > 1 else None, trainer.device)
+    periodic = step % tc.save_every == 0 or step == tc.steps
+    evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or step == tc.steps)
+    save = periodic or (interrupted and tc.save_on_interrupt)
+    drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
+    if evaluator is not None and evaluate:
+        ev = evaluator.run(drafter, trainer.heads)
         logger.log(ev, step)
         logger.log_eval(evaluator.reports, step)
         last.update(ev)
-    periodic = step % tc.save_every == 0 or step == tc.steps
-    interrupted = stop.agreed(trainer.dp_group if trainer.dp_world > 1 else None, trainer.device)
-    if writer and (periodic or (interrupted and tc.save_on_interrupt)):
+    if writer and save:
         last["checkpoint"] = save_checkpoint(
             run_dir,
             step,
-            trainer.drafter,
+            drafter,
             trainer.state_dict(),
             tc.keep_last,
             extra={"source": source.state_dict()},

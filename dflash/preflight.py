@@ -24,6 +24,7 @@ def check_run(cfg: RunConfig, run_dir: str) -> None:
     """Everything train.py can check before the target loads."""
     check_target_resources(cfg.target)
     check_files(cfg)
+    check_dist(cfg)
     if cfg.resume is not None:
         from .build import resume_path
         from .checkpoint import find_checkpoint
@@ -31,6 +32,21 @@ def check_run(cfg: RunConfig, run_dir: str) -> None:
         path = resume_path(cfg, run_dir)
         if path is not None:
             find_checkpoint(path)
+
+
+def check_dist(cfg: RunConfig) -> None:
+    if cfg.train.dist == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "train.dist=deepspeed but DeepSpeed is not installed: pip install 'dflash[deepspeed]'"
+            ) from None
+    resume = cfg.resume is not None and str(cfg.resume).lower() not in ("false", "none", "null", "")
+    if resume:
+        from .parallelize import refuse_resume
+
+        refuse_resume(cfg.train)
 
 
 def check_files(cfg: RunConfig) -> None:
