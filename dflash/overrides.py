@@ -19,7 +19,7 @@ def groups(conf_dir: str = CONF_DIR) -> dict[str, list[str]]:
     out = {}
     for g in sorted(os.listdir(conf_dir)):
         d = os.path.join(conf_dir, g)
-        if os.path.isdir(d) and g != "hydra":
+        if os.path.isdir(d) and g not in ("hydra", "accelerate"):  # not Hydra groups
             out[g] = sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml"))
     return out
 
