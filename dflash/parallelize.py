@@ -164,13 +164,13 @@ class DeepSpeed(Parallel):
 def parallelize(
     drafter: DFlashDrafter, cfg: TrainConfig, device: torch.device, group=None
 ) -> Parallel:
-    """`group`: the trainers' data-parallel group (None: one trainer)."""
-    world = dist.get_world_size(group) if group is not None else 1
-    if cfg.dist == "deepspeed":
-        return DeepSpeed(drafter, cfg, device, group)
-    if world == 1:
+    """`group`: the trainers' data-parallel group; None (one process, no process group): nothing
+    to share, whatever train.dist says. DDP over one rank is skipped (it would only copy)."""
+    if group is None:
         return Parallel(drafter, cfg, device, group)
-    return {"ddp": DDP, "fsdp": FSDP}[cfg.dist](drafter, cfg, device, group)
+    if cfg.dist == "ddp" and dist.get_world_size(group) == 1:
+        return Parallel(drafter, cfg, device, group)
+    return {"ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}[cfg.dist](drafter, cfg, device, group)
 
 
 def refuse_resume(cfg: TrainConfig) -> None:
