@@ -327,6 +327,9 @@ class RunConfig:
     resume: str | None = None  # None | "true" | PATH
     ckpt: str | None = None  # eval.py: drafter checkpoint directory (ours or z-lab format)
     out: str | None = None  # eval.py: also write all figures to this JSON file
+    eval_dir: str | None = (
+        None  # eval.py: its eval.log and eval-set cache (None: evals/<ckpt name>)
+    )
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -38,7 +38,7 @@ def eval_dir(rc: RunConfig, root: str = "evals") -> str:
     name = os.path.basename(ck)
     if os.path.basename(parent) == "checkpoints":
         name = f"{os.path.basename(os.path.dirname(parent))}-{name}"
-    return os.path.join(root, name)
+    return rc.eval_dir or os.path.join(root, name)
 
 
 def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
