@@ -282,6 +282,7 @@ class LoggerConfig:
     entity: str | None = None  # wandb entity
     mode: str = "auto"  # auto: online when credentials exist, else offline
     tags: list[str] = field(default_factory=list)  # wandb tags
+    log_checkpoints: bool = False  # wandb: each checkpoint as a model artifact (opt-in: GBs at 27B)
 
     def validate(self) -> None:
         _check_choice("logger.kind", self.kind, ("console", "wandb", "none"))
