@@ -167,9 +167,14 @@ def available_bytes(dev: torch.device) -> int | None:
 
 
 def _resolve_device(name: str) -> torch.device:
+    """As the run will place the target: under torchrun on cuda:$LOCAL_RANK (asking cuda:0 from
+    every rank would also open a CUDA context per rank on GPU 0)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return dev
 
 
 def _dtype_name(dtype: str, dev: torch.device) -> str:
