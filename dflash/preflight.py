@@ -42,6 +42,12 @@ def check_dist(cfg: RunConfig) -> None:
             raise ValueError(
                 "train.dist=deepspeed but DeepSpeed is not installed: pip install 'dflash[deepspeed]'"
             ) from None
+        if cfg.train.zero_stage == 3:
+            raise ValueError(
+                "train.zero_stage=3 is not verified end to end: a 2-rank train.py run drifts from "
+                "DDP's weights (its trainer step alone matches); use train.dist=fsdp to shard the "
+                "weights, or train.zero_stage=1|2"
+            )
     resume = cfg.resume is not None and str(cfg.resume).lower() not in ("false", "none", "null", "")
     if resume:
         from .parallelize import refuse_resume

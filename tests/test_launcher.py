@@ -205,3 +205,27 @@ def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys)
     t0 = time.monotonic()
     assert parity.main(argv) == 2
     assert "no CUDA device" in capsys.readouterr().err and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize(
+    "train,resume,match",
+    [
+        ({"dist": "deepspeed", "zero_stage": 3}, None, "zero_stage=3 is not verified"),
+        ({"dist": "fsdp"}, "/some/run", "resume with train.dist=fsdp"),
+    ],
+)
+def test_distribution_choices_checked_before_loading(train, resume, match):
+    from dflash.config import RunConfig, TrainConfig
+    from dflash.preflight import check_dist
+
+    with pytest.raises(ValueError, match=match):
+        check_dist(RunConfig(train=TrainConfig(**train), resume=resume))
+
+
+def test_missing_data_file_is_named_before_loading(tmp_path):
+    from dflash.config import DataConfig, RunConfig
+    from dflash.preflight import check_files
+
+    cfg = RunConfig(data=DataConfig(source="jsonl", paths=[str(tmp_path / "nope.jsonl")]))
+    with pytest.raises(FileNotFoundError, match="data.paths: .*nope.jsonl"):
+        check_files(cfg)
