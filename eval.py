@@ -1,5 +1,7 @@
 """Evaluate a drafter checkpoint (ours or a published z-lab-format directory):
-`python eval.py ckpt=PATH [target=...] [out=report.json]` -> streak / tau / DDTree per prompt."""
+`python eval.py ckpt=PATH [target=...] [out=report.json]` -> streak / tau / DDTree per prompt.
+Its log (eval.log) and eval-set cache go to evals/<checkpoint name>/ (made only once the
+checkpoint is found)."""
 
 import sys
 
@@ -13,15 +15,20 @@ setup()
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    from dflash.eval_cli import run_eval
+    from dflash.eval_cli import eval_dir, run_eval
+    from dflash.runlog import RunDir
 
+    rd = None
     try:
         rc = typed(cfg)
-        overrides = list(HydraConfig.get().overrides.task)
-        run_eval(rc, HydraConfig.get().runtime.output_dir, overrides)
+        rd = RunDir(eval_dir(rc), "eval.log").open()
+        run_eval(rc, rd.path, list(HydraConfig.get().overrides.task))
     except (ValueError, FileNotFoundError) as e:
+        if rd is not None:
+            rd.close(ok=False)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    rd.close(ok=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ setup()
 def main(cfg) -> None:
     from dflash.launch import launch
 
-    launch(cfg, HydraConfig.get().runtime.output_dir)
+    launch(cfg, list(HydraConfig.get().overrides.task))
 
 
 if __name__ == "__main__":

@@ -35,9 +35,25 @@ def names_run(cfg) -> bool:
 
 
 def setup() -> None:
+    """Before Hydra runs: the schema and resolvers, then the command line's keys checked against
+    the schema (an unknown one is `error: ...` naming it and the closest keys, exit 2)."""
+    import sys
+
+    from .overrides import check_argv
+
     register_configs()
     if not OmegaConf.has_resolver("dflash_run_id"):
         OmegaConf.register_new_resolver("dflash_run_id", run_id, use_cache=True)
+    if not OmegaConf.has_resolver("dflash_help"):
+        from .help import render_help
+
+        OmegaConf.register_new_resolver("dflash_help", render_help)
+    if os.path.basename(sys.argv[0]) in ("train.py", "eval.py"):
+        try:
+            check_argv(sys.argv[1:])
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
 
 
 def typed(cfg):

@@ -48,7 +48,8 @@ class PeerError(RuntimeError):
 def die(msg: str, code: int) -> NoReturn:
     """Print and leave now. os._exit skips atexit / process-group teardown, which can block
     forever on a pending receive from a dead peer."""
-    print(msg, file=sys.stderr, flush=True)
+    if msg:
+        print(msg, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
 

@@ -28,11 +28,11 @@ class TargetConfig:
     (a HF config dict: random weights, for tests, demos and benchmarks) must be set.
     """
 
-    name: str = "tiny_qwen3_5"
-    path: str | None = None
-    gguf_file: str | None = None
-    config: dict[str, Any] | None = None
-    init_seed: int = 0
+    name: str = "tiny_qwen3_5"  # label in logs and caches
+    path: str | None = None  # local HF directory or GGUF folder
+    gguf_file: str | None = None  # GGUF file inside path (converted once)
+    config: dict[str, Any] | None = None  # HF config dict: random weights
+    init_seed: int = 0  # seed of random weights
     init_std: float | None = None  # random weights: override initializer_range
     # Random weights: multiply the LM head by this after init. The greedy text is unchanged
     # (argmax is scale-free), but logits get a realistic spread: with a 0.01-std head they stay
@@ -42,16 +42,17 @@ class TargetConfig:
     # (dflash.tokenizer; text data sources offline), null = none (data.source=selfgen only).
     tokenizer: str | None = None
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
-    device: str = "auto"
+    device: str = "auto"  # auto: cuda if present, else cpu
     linear_attn_backend: str = "auto"  # auto | fla | torch (Gated-DeltaNet kernels)
-    attn_implementation: str = "sdpa"
+    attn_implementation: str = "sdpa"  # transformers attention kernel
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
     # token, or vocab_size-1 for tokenizer-less random targets.
     mask_token_id: int | None = None
     # Text conventions of the target: the same settings are used for regenerated training data
     # and for eval prompts, so the drafter is judged on text formatted as it was trained on.
     chat_template: bool = False
-    enable_thinking: bool = False
+    enable_thinking: bool = False  # chat template's thinking switch
+    check_memory: bool = True  # refuse at start-up a target whose weights exceed free memory
 
     def validate(self) -> None:
         _check_choice("target.linear_attn_backend", self.linear_attn_backend, LINEAR_ATTN_BACKENDS)
@@ -72,26 +73,26 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    num_layers: int = 1
+    num_layers: int = 1  # decoder layers
     # Per-layer attention type; None = all full_attention. Full layers are bidirectional inside
     # the block, sliding layers causal inside the block with `sliding_window`.
     layer_types: list[str] | None = None
-    sliding_window: int = 2048
+    sliding_window: int = 2048  # tokens seen by sliding layers
     # Target layers feeding the drafter (layer l = output of decoder layer l = HF
     # hidden_states[l + 1]). None = `num_aux_layers` evenly spaced over 1..L-3.
     target_layer_ids: list[int] | None = None
-    num_aux_layers: int = 5
-    block_size: int = 16
+    num_aux_layers: int = 5  # aux layers when ids are None
+    block_size: int = 16  # anchor + drafted positions
     mask_token_id: int | None = None  # None: target.mask_token_id (see there)
     # Shape; None = copy from the target.
-    hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 32768
+    hidden_size: int | None = None  # None: the target's
+    intermediate_size: int | None = None  # MLP width; None: target's
+    num_attention_heads: int | None = None  # None: target's
+    num_key_value_heads: int | None = None  # None: target's
+    head_dim: int | None = None  # None: target's
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    rope_theta: float = 1_000_000.0  # RoPE base
+    max_position_embeddings: int = 32768  # longest position
     # The rest of config.json's semantics, as the reference reads them (dflash.spec):
     # rope scaling as transformers' rope_parameters minus rope_theta, e.g.
     # {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}.
@@ -99,12 +100,12 @@ class DrafterConfig:
     is_causal: bool | None = (
         None  # set: every layer causal (true) / bidirectional (false) in the block
     )
-    input_embedding_scale: float = 1.0
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float | None = None
-    attention_bias: bool = False
-    hidden_act: str = "silu"
-    init_std: float = 0.02
+    input_embedding_scale: float = 1.0  # scales token embeddings
+    output_multiplier: float = 1.0  # scales final hidden
+    final_logit_softcapping: float | None = None  # tanh cap on logits
+    attention_bias: bool = False  # bias in q/k/v/o
+    hidden_act: str = "silu"  # MLP activation
+    init_std: float = 0.02  # init std of weights
     # Initialise from an existing drafter checkpoint directory (serving format).
     init_from: str | None = None
 
@@ -149,16 +150,16 @@ class DataConfig:
     # jsonl / parquet: prompts from local files (`prompt` or `messages` field).
     # stdlib: functions/classes of the CPython standard library turned into completion prompts.
     source: str = "selfgen"
-    paths: list[str] = field(default_factory=list)
-    prompt_field: str = "prompt"
-    num_samples: int = 256
-    prompt_len: int = 16
-    response_len: int = 64
-    max_length: int = 256
+    paths: list[str] = field(default_factory=list)  # jsonl/parquet files (globs)
+    prompt_field: str = "prompt"  # row field with the prompt
+    num_samples: int = 256  # samples to (re)generate
+    prompt_len: int = 16  # selfgen prompt tokens
+    response_len: int = 64  # max response tokens
+    max_length: int = 256  # max tokens per sample
     too_long: str = "truncate"  # truncate | drop
-    regen_batch_size: int = 32
-    regen_temperature: float = 0.0
-    seed: int = 1234
+    regen_batch_size: int = 32  # prompts per regen batch
+    regen_temperature: float = 0.0  # 0: greedy responses
+    seed: int = 1234  # data and order seed
     cache_dir: str | None = None  # default: <run_dir>/data
     # Pack samples first-fit into rows of this many tokens (None: one sample per row, padded).
     # The target still runs each sample alone; the drafter's masks keep samples apart.
@@ -183,17 +184,17 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 300  # optimizer steps
     micro_batch_size: int = 8  # sequences per micro step (per trainer rank)
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per step
     max_anchors: int = 512  # anchors per sequence, resampled every step
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    clip_grad: float = 1.0
-    loss: str = "hard_ce"
+    lr: float = 6e-4  # peak learning rate
+    min_lr_ratio: float = 0.0  # final lr / peak
+    warmup_ratio: float = 0.04  # warmup share of steps
+    weight_decay: float = 0.0  # AdamW decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    clip_grad: float = 1.0  # max grad norm
+    loss: str = "hard_ce"  # hard_ce | soft_kl
     allow_soft_loss: bool = False  # soft KL must be chosen explicitly (see validate)
     gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
     noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
@@ -201,16 +202,23 @@ class TrainConfig:
     lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
     compile: bool = False  # torch.compile the drafter (fuses norms, RoPE, casts; CUDA)
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 100
-    save_every: int = 100
-    keep_last: int = 2
+    seed: int = 0  # init, anchors, noise
+    log_every: int = 10  # steps between logs
+    eval_every: int = 100  # steps between evals
+    save_every: int = 100  # steps between saves
+    keep_last: int = 2  # checkpoints kept
+    # Ctrl-C: finish the step, save it, print the resume command (a step costs less to save than
+    # up to save_every steps cost to redo)
+    save_on_interrupt: bool = True
+    dist: str = "ddp"  # trainer ranks: ddp | fsdp | deepspeed (dflash.parallelize)
+    zero_stage: int = 1  # train.dist=deepspeed: ZeRO stage 1, 2 or 3
 
     def validate(self) -> None:
         _check_choice("train.dtype", self.dtype, DTYPES)
         _check_choice("train.loss", self.loss, LOSSES)
         _check_choice("train.attn_kernel", self.attn_kernel, ("auto", "flex", "sdpa"))
+        _check_choice("train.dist", self.dist, ("ddp", "fsdp", "deepspeed"))
+        _check_choice("train.zero_stage", self.zero_stage, (1, 2, 3))
         if self.loss == "soft_kl" and not self.allow_soft_loss:
             raise ValueError(
                 "train.loss=soft_kl trains a soft objective while acceptance is judged by the "
@@ -240,20 +248,20 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    enabled: bool = True
-    num_prompts: int = 8
-    completion_len: int = 96
-    budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])
-    batch_size: int = 4
-    seed: int = 4321
+    enabled: bool = True  # in-loop eval on/off
+    num_prompts: int = 8  # eval prompts
+    completion_len: int = 96  # greedy tokens per prompt
+    budgets: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64])  # DDTree node budgets
+    batch_size: int = 4  # prompts per batch
+    seed: int = 4321  # eval prompt seed
     source: str | None = None  # None: the training source, rows training does not use
-    paths: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # eval prompt files
     show_rounds: int = 2  # rounds printed per prompt in the table
     # Acceptance at temperature > 0 as the reference samples (dflash.sampling): eval/tau_t{T}
     # per temperature; top_p / top_k apply to target and drafter alike (0 / 1.0: off).
     temperatures: list[float] = field(default_factory=lambda: [0.0])
-    top_p: float = 1.0
-    top_k: int = 0
+    top_p: float = 1.0  # nucleus (1.0: off)
+    top_k: int = 0  # top-k (0: off)
     # eval.py: also decode the first N eval prompts for real, sampled at each temperature
     # (dflash.decode_eval: decode_tau_t{T} beside the offline tau_t{T} on the same prompts)
     real_decode_prompts: int = 0
@@ -277,13 +285,11 @@ class EvalConfig:
 @dataclass
 class LoggerConfig:
     kind: str = "console"  # console | wandb | none
-    project: str = "dflash"
-    entity: str | None = None
+    project: str = "dflash"  # wandb project
+    entity: str | None = None  # wandb entity
     mode: str = "auto"  # auto: online when credentials exist, else offline
-    tags: list[str] = field(default_factory=list)
-    # wandb: upload each saved checkpoint's serving files (config.json, model.safetensors) as a
-    # model artifact (opt-in: the 27B-shape drafter is GBs per checkpoint).
-    log_checkpoints: bool = False
+    tags: list[str] = field(default_factory=list)  # wandb tags
+    log_checkpoints: bool = False  # wandb: each checkpoint as a model artifact (opt-in: GBs at 27B)
 
     def validate(self) -> None:
         _check_choice("logger.kind", self.kind, ("console", "wandb", "none"))
@@ -323,12 +329,15 @@ class TopologyConfig:
 
 @dataclass
 class RunConfig:
-    exp_name: str = "smoke"
-    run_name: str = "smoke"
-    out_root: str = "outputs"
+    exp_name: str = "smoke"  # experiment name (set by +exp=NAME)
+    run_name: str = "smoke"  # run directory name under out_root
+    out_root: str = "outputs"  # where run directories go
     resume: str | None = None  # None | "true" | PATH
     ckpt: str | None = None  # eval.py: drafter checkpoint directory (ours or z-lab format)
     out: str | None = None  # eval.py: also write all figures to this JSON file
+    eval_dir: str | None = (
+        None  # eval.py: its eval.log and eval-set cache (None: evals/<ckpt name>)
+    )
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -27,6 +27,21 @@ def run_config_of(ckpt: str) -> dict | None:
     return None
 
 
+def eval_dir(rc: RunConfig, root: str = "evals") -> str:
+    """evals/<run>-<step> for our checkpoints (<run>/checkpoints/step_*), evals/<dir name> for a
+    published one; checked here so that a bad ckpt leaves no directory behind."""
+    if not rc.ckpt:
+        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
+    if not os.path.isdir(rc.ckpt):
+        raise FileNotFoundError(f"ckpt={rc.ckpt!r} is not a directory")
+    ck = os.path.abspath(rc.ckpt)
+    parent = os.path.dirname(ck)
+    name = os.path.basename(ck)
+    if os.path.basename(parent) == "checkpoints":
+        name = f"{os.path.basename(os.path.dirname(parent))}-{name}"
+    return rc.eval_dir or os.path.join(root, name)
+
+
 def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     if not rc.ckpt:
         raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")

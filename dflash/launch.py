@@ -9,7 +9,9 @@ Exit codes: 0 done; 2 bad input (a config value, a missing file: one `error: ...
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import shlex
 import sys
 import time
 import traceback
@@ -27,70 +29,134 @@ from .comm import (
     shutdown,
 )
 from .config import RunConfig
-from .rundir import RunFinished, drop_unused_dir, plan_run
+from .interrupt import Interrupted
+from .preflight import check_run
+from .rundir import RunFinished, plan_run
+from .runlog import RunDir
 from .split.run import run_split
 from .split.schedule import Roles
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
 
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|failed to pass monitoredBarrier"
 )
 
 
-def launch(cfg, run_dir: str) -> None:
-    """Entry of `train.py` (cfg: the composed Hydra config). A single process without a split
-    topology runs colocated in-process; anything else (torchrun, accelerate launch, or
-    topology=split) runs as one rank of a torch.distributed job."""
+def launch(cfg, overrides: list[str] | None = None) -> None:
+    """Entry of `train.py` (cfg: the composed Hydra config; overrides: its command line, for the
+    resume command printed on Ctrl-C). A single process without a split topology runs colocated
+    in-process; anything else (torchrun, accelerate launch, or topology=split) runs as one rank of
+    a torch.distributed job. The run directory is made only after every check that needs no
+    model passed, and removed again if the run fails before it started."""
     try:
         rc = typed(cfg)
         rank, world, _ = launcher_env()
         distributed = rc.topology.mode == "split" or world > 1
         roles = Roles.from_topology(rc.topology, world) if distributed else None
-        plan = plan_run(rc, run_dir, named=names_run(cfg))
-        if rank == 0:
-            drop_unused_dir(run_dir, plan.run_dir)
-        rc, run_dir = dataclasses.replace(rc, resume=plan.ckpt), plan.run_dir
-        if not distributed:
-            run_colocated(rc, run_dir)
-            return
+        check_run(rc)
+        plan = plan_run(rc, os.path.join(rc.out_root, rc.run_name), named=names_run(cfg))
+        rc = dataclasses.replace(rc, resume=plan.ckpt)
+        run_dir = RunDir(plan.run_dir, "train.log", writer=rank == 0)
     except RunFinished as e:
         print(e, flush=True)
         return
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    run_distributed(rc, run_dir, roles)
+    run_dir.open()
+    resume_cmd = ResumeCommand(overrides or [], rc, run_dir.path, world)
+    if distributed:
+        run_distributed(rc, run_dir, roles, resume_cmd)
+        return
+    try:
+        run_colocated(rc, run_dir.path)
+    except Interrupted as e:
+        _finish(run_dir, True, resume_cmd.line(e), EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        _finish(run_dir, False, resume_cmd.line(None), EXIT_INTERRUPTED)
+    except (ValueError, FileNotFoundError) as e:
+        _finish(run_dir, False, f"error: {e}", EXIT_BAD_INPUT)
+    except BaseException:
+        run_dir.close(ok=False)
+        raise
+    run_dir.close(ok=True)
 
 
-def run_distributed(cfg: RunConfig, run_dir: str, roles: Roles | None) -> None:
+def _finish(run_dir: RunDir, ok: bool, msg: str, code: int, hard: bool = False) -> None:
+    """The last line goes to the console and the log, then the log closes (a run dir of a start
+    that failed is removed) and the process exits; `hard`: without teardown (see comm.die)."""
+    if msg:
+        print(msg, file=sys.stderr, flush=True)
+    run_dir.close(ok)
+    if hard:
+        die("", code)
+    sys.exit(code)
+
+
+class ResumeCommand:
+    """The one line printed on Ctrl-C: `resume=RUN_DIR` continues in the same run directory
+    (RUN_DIR resolves to its latest checkpoint)."""
+
+    def __init__(self, overrides: list[str], cfg: RunConfig, run_dir: str, world: int):
+        drop = ("resume", "run_name")
+        keep = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in drop]
+        prog = "python train.py" if world == 1 else f"torchrun --nproc-per-node {world} train.py"
+        self.fresh = " ".join([prog, *map(shlex.quote, keep)])
+        # resume=RUN_DIR alone continues in that directory (rundir.plan_run); a run_name here
+        # would name a directory to continue in instead
+        self.resume = " ".join([self.fresh, shlex.quote(f"resume={run_dir}")])
+        self.run_dir = run_dir
+
+    def line(self, e: Interrupted | None) -> str:
+        if e is None:
+            return f"interrupted before training started (nothing saved); start again with: {self.fresh}"
+        if e.checkpoint is None and not os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
+            return f"interrupted at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
+        return f"interrupted at step {e.step}; resume with: {self.resume}"
+
+
+def run_distributed(
+    cfg: RunConfig, run_dir: RunDir, roles: Roles | None, resume_cmd: ResumeCommand
+) -> None:
     """One rank of the job (roles None: colocated data parallel). Any failure ends this process
     with a message naming the rank; peers notice (gloo at once, NCCL via the deadlines) and exit
     too, so the job never hangs silently."""
     rank = launcher_env()[0]
-    ctx = init_distributed(
-        cfg.topology.backend, cfg.topology.timeout_s, cfg.topology.startup_timeout_s
-    )
     tag = f"[rank {rank}{'' if roles is None else ' ' + roles.role(rank)}]"
+    ok = False
+    try:
+        ctx = init_distributed(
+            cfg.topology.backend, cfg.topology.timeout_s, cfg.topology.startup_timeout_s
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
     try:
         if roles is None:
-            run_colocated(cfg, run_dir, ctx=ctx)
+            run_colocated(cfg, run_dir.path, ctx=ctx)
         else:
-            run_split(cfg, run_dir, ctx, roles)
+            run_split(cfg, run_dir.path, ctx, roles)
         try:
             ctx.barrier()
         except RuntimeError as e:
             raise PeerError(
                 f"not every rank reached the end of the run: {_first_line(e)}"
             ) from None
-    except (PeerError, BadBatchError) as e:
-        die(f"{tag} pipeline stopped: {e}", EXIT_PIPELINE)
-    except (ValueError, FileNotFoundError) as e:
-        die(f"{tag} error: {e}", EXIT_BAD_INPUT)
+        ok = True
+    except Interrupted as e:
+        _finish(run_dir, True, resume_cmd.line(e) if rank == 0 else "", EXIT_INTERRUPTED, True)
     except KeyboardInterrupt:
-        die(f"{tag} interrupted", 130)
+        msg = f"{tag} {resume_cmd.line(None)}" if rank == 0 else ""
+        _finish(run_dir, False, msg, EXIT_INTERRUPTED, hard=True)
+    except (PeerError, BadBatchError) as e:
+        _finish(run_dir, False, f"{tag} pipeline stopped: {e}", EXIT_PIPELINE, hard=True)
+    except (ValueError, FileNotFoundError) as e:
+        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
     except BaseException as e:  # noqa: BLE001 - any other failure must still end the process
+        run_dir.close(ok=False)
         _die_of(e, tag, ctx, wait_for_receiver=roles is not None)
+    run_dir.close(ok=ok)
     shutdown()
 
 

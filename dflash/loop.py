@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from .batch import TargetBatch
 from .checkpoint import save_checkpoint
 from .config import RunConfig
+from .interrupt import Interrupted, StopRequest
 from .loggers import Logger
 from .stream import SampleStream
 from .trainer import DrafterTrainer
@@ -52,8 +53,10 @@ def train_loop(
     tc = cfg.train
     last: dict = {}
     first_eval = None
+    if cfg.eval.enabled and trainer.step == 0:
+        drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
     if evaluator is not None and trainer.step == 0:
-        first_eval = evaluator.run(trainer.drafter, trainer.heads)
+        first_eval = evaluator.run(drafter, trainer.heads)
         logger.log(first_eval, step=0)
         logger.log_eval(evaluator.reports, 0)
     bar = tqdm(
@@ -64,49 +67,70 @@ def train_loop(
         dynamic_ncols=True,
         disable=os.environ.get("DFLASH_NO_PROGRESS") == "1" or not writer,
     )
-    while trainer.step < tc.steps:
-        t0 = time.perf_counter()
-        batches = source.next_batches()
-        t1 = time.perf_counter()
-        metrics = trainer.train_step(batches)
-        t2 = time.perf_counter()
-        step = trainer.step
-        metrics.update(
-            {
-                "perf/target_s": t1 - t0,
-                "perf/drafter_s": t2 - t1,
-                "perf/tokens_per_s": metrics["train/tokens"] / max(t2 - t0, 1e-9),
-                "data/epoch": source.stream.epoch,
-            }
-        )
-        metrics.update(source.step_metrics(t1 - t0, t2 - t1))
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc']:.3f}")
-        if step % tc.log_every == 0 or step == tc.steps:
-            metrics.update(source.interval_metrics())
-            logger.log(metrics, step)
-        last.update(metrics)
-        if evaluator is not None and (step % tc.eval_every == 0 or step == tc.steps):
-            ev = evaluator.run(trainer.drafter, trainer.heads)
-            logger.log(ev, step)
-            logger.log_eval(evaluator.reports, step)
-            last.update(ev)
-        if writer and (step % tc.save_every == 0 or step == tc.steps):
-            path = save_checkpoint(
-                run_dir,
-                step,
-                trainer.drafter,
-                trainer.state_dict(),
-                tc.keep_last,
-                extra={"source": source.state_dict()},
+    stop = StopRequest()
+    interrupted = None
+    with stop:
+        while trainer.step < tc.steps:
+            interrupted = _step(
+                cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop
             )
-            last["checkpoint"] = path
-            logger.log_checkpoint(path, step)
-        if stop_at is not None and step >= stop_at:
-            break
+            if interrupted is not None or (stop_at is not None and trainer.step >= stop_at):
+                break
     bar.close()
     _summarize(logger, last, first_eval)
+    if interrupted is not None:
+        raise interrupted
     return last
+
+
+def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop):
+    """One step: train; maybe log, eval, save. Returns Interrupted when Ctrl-C asked to stop."""
+    tc = cfg.train
+    t0 = time.perf_counter()
+    batches = source.next_batches()
+    t1 = time.perf_counter()
+    metrics = trainer.train_step(batches)
+    t2 = time.perf_counter()
+    step = trainer.step
+    metrics.update(
+        {
+            "perf/target_s": t1 - t0,
+            "perf/drafter_s": t2 - t1,
+            "perf/tokens_per_s": metrics["train/tokens"] / max(t2 - t0, 1e-9),
+            "data/epoch": source.stream.epoch,
+        }
+    )
+    metrics.update(source.step_metrics(t1 - t0, t2 - t1))
+    bar.update(1)
+    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc']:.3f}")
+    if step % tc.log_every == 0 or step == tc.steps:
+        metrics.update(source.interval_metrics())
+        logger.log(metrics, step)
+    last.update(metrics)
+    interrupted = stop.agreed(trainer.dp_group if trainer.dp_world > 1 else None, trainer.device)
+    periodic = step % tc.save_every == 0 or step == tc.steps
+    evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or step == tc.steps)
+    save = periodic or (interrupted and tc.save_on_interrupt)
+    drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
+    if evaluator is not None and evaluate:
+        ev = evaluator.run(drafter, trainer.heads)
+        logger.log(ev, step)
+        logger.log_eval(evaluator.reports, step)
+        last.update(ev)
+    if writer and save:
+        last["checkpoint"] = save_checkpoint(
+            run_dir,
+            step,
+            drafter,
+            trainer.state_dict(),
+            tc.keep_last,
+            extra={"source": source.state_dict()},
+        )
+        logger.log_checkpoint(last["checkpoint"], step)
+    if interrupted:
+        saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
+        return Interrupted(step, saved)
+    return None
 
 
 def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:

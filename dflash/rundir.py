@@ -15,7 +15,6 @@ import dataclasses
 import glob
 import json
 import os
-import shutil
 from dataclasses import dataclass
 
 from .checkpoint import find_checkpoint
@@ -212,12 +211,3 @@ def keep_metrics_until(run_dir: str, step: int) -> None:
                 break
             keep = f.tell()
         f.truncate(keep)
-
-
-def drop_unused_dir(path: str, used: str) -> None:
-    """Hydra made `path` for a new run; the run continues in `used` instead. Leave nothing behind
-    but only remove what Hydra itself wrote."""
-    if os.path.abspath(path) == os.path.abspath(used) or not os.path.isdir(path):
-        return
-    if set(os.listdir(path)) <= {".hydra"}:
-        shutil.rmtree(path, ignore_errors=True)

@@ -27,6 +27,7 @@ from .drafter import DFlashDrafter, DrafterSpec
 from .flex_attn import resolve_kernel, to_kernel_masks
 from .fused_ce import fused_weighted_ce_sum
 from .loss import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
+from .parallelize import parallelize, refuse_resume
 from .shape import Heads
 from .target import resolve_dtype
 
@@ -65,32 +66,20 @@ class DrafterTrainer:
         self.drafter = drafter.to(device=device, dtype=torch.float32)  # fp32 master weights
         self.dp_group = dp_group
         self.dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.model: nn.Module = self.drafter
-        if self.dp_world > 1:
-            self.model = nn.parallel.DistributedDataParallel(
-                self.drafter,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                process_group=dp_group,
-            )
-        if cfg.compile:  # shapes change with every batch: dynamic after the first recompile
-            self.model = torch.compile(self.model)
         self.dtype = compute_dtype(cfg.dtype, device)
         if self.dtype == torch.float16:
             raise ValueError(
                 "train.dtype=float16 overflows in the drafter's fc layer (its input concatenates "
                 "several target layers' hidden states); use bfloat16 or float32"
             )
-        # fused: one kernel for the whole update on CUDA (the 27B drafter has 1.7B fp32 params)
-        self.opt = torch.optim.AdamW(
-            self.drafter.parameters(),
-            lr=cfg.lr,
-            betas=tuple(cfg.betas),
-            weight_decay=cfg.weight_decay,
-            fused=device.type == "cuda",
-        )
+        self.par = parallelize(self.drafter, cfg, device, dp_group)
+        self.model: nn.Module = self.par.model
+        self.opt = self.par.optimizer
+        if cfg.compile:  # shapes change with every batch: dynamic after the first recompile
+            self.model = torch.compile(self.model)
         warmup = int(round(cfg.warmup_ratio * cfg.steps))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: cosine_lr(s, cfg.steps, warmup, cfg.min_lr_ratio)
+            self.par.base_optimizer, lambda s: cosine_lr(s, cfg.steps, warmup, cfg.min_lr_ratio)
         )
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
         self.attn_kernel = resolve_kernel(cfg.attn_kernel, device)
@@ -220,19 +209,14 @@ class DrafterTrainer:
                     row_seed(self.cfg.seed + 1, step, int(tb.row_seeds[0]))
                 )
                 tb = add_input_noise(tb, self.cfg.noise_std, g)
-            sync = contextlib.nullcontext()
-            if self.dp_world > 1 and i < len(micro) - 1:
-                sync = self.model.no_sync()
-            with sync:
+            with self.par.accumulate(last=i == len(micro) - 1):
                 loss_sum, correct = self.forward_sums(tb, prep)
-                (loss_sum * self.dp_world / denom).backward()
+                self.par.backward(loss_sum * self.dp_world / denom)
             loss_total += loss_sum.detach()
             correct_total += correct.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.clip_grad)
-        lr = self.opt.param_groups[0]["lr"]
-        self.opt.step()
+        lr = self.par.base_optimizer.param_groups[0]["lr"]
+        grad_norm = self.par.step()
         self.sched.step()
-        self.opt.zero_grad(set_to_none=True)
         self.step += 1
         # Counted on the device and read back once: the step's only host sync after anchor
         # sampling (a per-batch `int(...)` each cost a sync, ~9 ms per step on an H200).
@@ -265,14 +249,26 @@ class DrafterTrainer:
         }
 
     # ------------------------------------------------------------------ state
+    def drafter_for_io(self) -> DFlashDrafter:
+        """The drafter to evaluate or save: the trained module itself, or, when its weights are
+        sharded over the ranks (fsdp, ZeRO-3), an unsharded copy (every rank must call this)."""
+        if not self.par.sharded:
+            return self.drafter
+        full = self.par.full_state()
+        copy = DFlashDrafter(self.spec).to(self.device)
+        copy.load_state_dict(full)
+        return copy
+
     def state_dict(self) -> dict:
         return {
-            "optimizer": self.opt.state_dict(),
+            "optimizer": self.par.optimizer_state(),
             "scheduler": self.sched.state_dict(),
             "step": self.step,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["optimizer"])
+        if state["optimizer"] is None:
+            refuse_resume(self.cfg)
+        self.par.load_optimizer_state(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step = int(state["step"])

@@ -145,6 +145,7 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
             f"ckpt={ck}",
             f"out={out}",
             f"out_root={tmp_path}",
+            f"eval_dir={tmp_path}/ev",
             "logger=none",
         ],
         cwd=ROOT,
@@ -158,6 +159,8 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
     rep = json.load(open(out))
     assert {"streak", "tau", "dds@4", "acc_pos_1"} <= set(rep["summary"]) and rep["prompts"]
     assert rep["prompts"][0]["matches"]
+    log = (tmp_path / "ev" / "eval.log").read_text()  # eval.py's console, in its own dir
+    assert "Detected fc input: 384 = 3 target layers" in log and "summary" in log
     # the in-loop eval and eval.py agree exactly (same code path, same cached prompts, the
     # in-loop eval runs on the bf16-rounded weights the checkpoint exports)
     last = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if "eval/tau" in x][-1]
@@ -207,6 +210,7 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
             "eval.py",
             f"ckpt={ck}",
             f"out_root={tmp_path}",
+            f"eval_dir={tmp_path}/ev",
             "logger=none",
             "target=tiny_qwen3_5",
             *extra,
@@ -218,6 +222,7 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
     )
     assert r.returncode != 0
     assert match in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+    assert not (tmp_path / "ev").exists()  # a refused checkpoint leaves no eval dir
 
 
 def test_lost_latest_pointer_falls_back_to_newest_step(tiny_qwen, tmp_path):

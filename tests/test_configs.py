@@ -108,8 +108,8 @@ def test_schema_is_no_user_choice():
         text=True,
         timeout=120,
     )
-    groups = r.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
-    assert r.returncode == 0 and "target: " in groups and "schema" not in groups
+    groups = r.stdout.split("== Configuration groups ==")[1].split("== Keys ==")[0]
+    assert r.returncode == 0 and "target:" in groups and "schema" not in groups
 
 
 def test_group_file_with_unknown_key_fails_at_composition(tmp_path):

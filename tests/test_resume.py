@@ -83,7 +83,7 @@ def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_pat
     rows = [json.loads(x) for x in open(run_dir / "metrics.jsonl")]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
     other = compose(tmp_path, "run_name=r", "train.steps=6", "resume=true", "train.log_every=2")
-    launch(other, str(run_dir))
+    launch(other)
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 3" in out
     assert "from cache" in out and "regenerating" not in out
@@ -99,12 +99,10 @@ def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_pat
 
 
 def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, tmp_path):
-    """The new run dir Hydra made (only .hydra in it) is dropped; the old one is used."""
+    """The newest run of this experiment is continued in its own dir; no new dir is made."""
     from dflash import launch as launch_mod
 
     fake_run(tiny_qwen, tmp_path / "e-1", 2, "exp_name=e", "train.steps=9")
-    fresh = tmp_path / "e-2"
-    (fresh / ".hydra").mkdir(parents=True)
     got = {}
 
     def fake_run_colocated(cfg, run_dir):
@@ -112,14 +110,12 @@ def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, t
 
     launch_mod.run_colocated, real = fake_run_colocated, launch_mod.run_colocated
     try:
-        launch_mod.launch(
-            compose(tmp_path, "exp_name=e", "resume=true", "train.steps=9"), str(fresh)
-        )
+        launch_mod.launch(compose(tmp_path, "exp_name=e", "resume=true", "train.steps=9"))
     finally:
         launch_mod.run_colocated = real
     assert got["run_dir"] == str(tmp_path / "e-1")
     assert got["cfg"].resume.endswith(os.path.join("e-1", "checkpoints", "step_00000002"))
-    assert not fresh.exists()
+    assert sorted(os.listdir(tmp_path)) == ["e-1"]
 
 
 @pytest.mark.parametrize(
@@ -132,7 +128,7 @@ def test_resume_refuses_a_change_of_data_or_model(tiny_qwen, tmp_path, capsys, k
     fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.steps=10")
     cfg = compose(tmp_path, "run_name=r", "train.steps=10", "resume=true", f"{key}={new}")
     with pytest.raises(SystemExit) as e:
-        launch(cfg, str(tmp_path / "r"))
+        launch(cfg)
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"resume: {key} changed" in err and f"-> {new}" in err and "new run" in err
@@ -153,15 +149,13 @@ def test_resume_of_a_finished_run_says_so_and_writes_nothing(tiny_qwen, tmp_path
 
     fake_run(tiny_qwen, tmp_path / "f-1", 10, "exp_name=f", "train.steps=10")
     before = sorted(os.walk(tmp_path))
-    launch(compose(tmp_path, "exp_name=f", "train.steps=10", "resume=true"), str(tmp_path / "f-2"))
+    launch(compose(tmp_path, "exp_name=f", "train.steps=10", "resume=true"))
     out = capsys.readouterr().out
     assert "is finished" in out and "step 10" in out and "drafter.init_from=" in out
     assert sorted(os.walk(tmp_path)) == before
     # a longer schedule is refused with the way to get one
     with pytest.raises(SystemExit):
-        launch(
-            compose(tmp_path, "exp_name=f", "train.steps=20", "resume=true"), str(tmp_path / "f-3")
-        )
+        launch(compose(tmp_path, "exp_name=f", "train.steps=20", "resume=true"))
     err = capsys.readouterr().err
     assert "train.steps changed (10 -> 20)" in err and "drafter.init_from=" in err
 

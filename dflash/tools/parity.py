@@ -248,8 +248,26 @@ def _common_argv(args) -> list[str]:
     return out
 
 
+def check_fits(args, *settings: Setting) -> None:
+    """Before anything loads: each setting's device exists and holds the weights (a random 27B
+    target on a CPU box was OOM-killed after minutes of initialisation)."""
+    from ..preflight import check_target_resources
+    from ..target import target_config_from_yaml
+
+    tcfg = target_config_from_yaml(args.target)
+    if args.num_layers is not None and tcfg.config is not None:
+        tcfg = replace(tcfg, config={**tcfg.config, "num_hidden_layers": args.num_layers})
+    for s in settings:
+        be = s.backend if s.backend != "auto" else tcfg.linear_attn_backend
+        check_target_resources(replace(tcfg, dtype=s.dtype, linear_attn_backend=be), s.device)
+    if tcfg.config is not None:
+        dev, dtype = _init_spec(args.init, tcfg, settings[0])
+        check_target_resources(replace(tcfg, dtype=dtype), dev)
+
+
 def run_parity(args) -> dict:
     a, b = Setting.parse(args.a), Setting.parse(args.b)
+    check_fits(args, a, b)
     separate = args.subprocess or _resolved_backend(a) != _resolved_backend(b)
     if separate:
         with tempfile.TemporaryDirectory(prefix="dflash-parity-") as d:

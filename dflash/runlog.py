@@ -1,0 +1,100 @@
+"""The run directory and its log file.
+
+Hydra is told to write nothing (conf/config.yaml: no `.hydra/`, no log file, run dir `.`), so a
+command that fails before the run starts leaves nothing behind: the launcher makes the run
+directory only after every check that needs no model passed, and removes it again when the start
+fails afterwards (the directory did not exist before this command). Once made, everything this
+process prints (stdout and stderr, our logger's lines, warnings, tracebacks) also goes to
+`<run_dir>/<log_name>` (train.log, eval.log), progress bars reduced to their final state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+
+
+class _Tee:
+    """A text stream that writes to the console stream and to the log file. Carriage-return
+    redraws (progress bars) reach the file only as the line's final text."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log, self.pending = stream, log, ""
+
+    def write(self, s: str) -> int:
+        n = self.stream.write(s)
+        self.pending += s
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.log.write(line.rsplit("\r", 1)[-1].rstrip() + "\n")
+        self.log.flush()
+        return n if n is not None else len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+        self.log.flush()
+
+    def close_line(self) -> None:
+        tail = self.pending.rsplit("\r", 1)[-1].rstrip()
+        if tail:
+            self.log.write(tail + "\n")
+        self.pending = ""
+
+    def __getattr__(self, name):  # isatty, fileno, encoding... of the console stream
+        return getattr(self.stream, name)
+
+
+class RunDir:
+    """`open()` makes the directory and starts the log; `close(ok)` stops the log and, after a
+    failure, removes a directory this command made for a run that never started (a run has
+    started once it wrote run_config.json: resumed or fresh, right before its first step)."""
+
+    def __init__(self, path: str, log_name: str, writer: bool = True):
+        self.path, self.log_name, self.writer = path, log_name, writer
+        self.made = False
+        self._log = None
+        self._saved: tuple | None = None
+
+    def open(self) -> RunDir:
+        if not self.writer:  # rank 0 makes (and may remove) the directory
+            return self
+        self.made = not os.path.exists(self.path)
+        os.makedirs(self.path, exist_ok=True)
+        if self.writer:
+            self._log = open(os.path.join(self.path, self.log_name), "a", buffering=1)
+            self._saved = (sys.stdout, sys.stderr)
+            sys.stdout = _Tee(sys.stdout, self._log)
+            sys.stderr = _Tee(sys.stderr, self._log)
+            self._retarget_handlers(self._saved, (sys.stdout, sys.stderr))
+        return self
+
+    def close(self, ok: bool = True) -> None:
+        if self._saved is not None:
+            for tee in (sys.stdout, sys.stderr):
+                if isinstance(tee, _Tee):
+                    tee.close_line()
+            self._retarget_handlers((sys.stdout, sys.stderr), self._saved)
+            sys.stdout, sys.stderr = self._saved
+            self._saved = None
+            self._log.close()
+        started = os.path.exists(os.path.join(self.path, "run_config.json"))
+        if not ok and self.made and not started:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    @staticmethod
+    def _retarget_handlers(old: tuple, new: tuple) -> None:
+        # libraries (transformers) made their logging handlers on sys.stderr at import time
+        loggers = [logging.getLogger()] + [
+            v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)
+        ]
+        for lg in loggers:
+            for h in lg.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
+                    for o, n in zip(old, new):
+                        if getattr(h, "stream", None) is o:
+                            try:
+                                h.setStream(n)
+                            except AttributeError:  # a handler that reads sys.stderr itself
+                                pass

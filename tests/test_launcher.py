@@ -1,0 +1,230 @@
+"""The launcher as a user meets it: bad invocations are one line and leave nothing behind, the log
+file holds the console, checks that need no model come first, Ctrl-C resumes in place."""
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import ROOT, target_cfg
+
+from dflash.overrides import check_override
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1"}
+TINY_RUN = [
+    "data.num_samples=16",
+    "data.response_len=16",
+    "eval.enabled=false",
+    "train.log_every=1",
+    "train.save_every=1000",
+]
+
+
+def _train(args, **kw):
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+        **kw,
+    )
+
+
+def _error_line(r) -> str:
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and len(lines) == 1, r.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("+train.stpes=5", r"'train.stpes'.*did you mean train.steps"),
+        ("trian.steps=5", r"'trian'.*did you mean train\?"),
+        ("train.stepz=5", r"did you mean train.steps"),
+        ("target=tiny_qwen", r"option 'tiny_qwen' of group 'target'.*target=tiny_qwen3_5"),
+        ("+exp=v6", r"did you mean \+exp=v5"),
+        ("tagret=tiny_llama", r"'tagret'.*did you mean target"),
+    ],
+)
+def test_unknown_keys_name_the_closest(override, match):
+    with pytest.raises(ValueError, match=match):
+        check_override(override)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.steps=5",
+        "+exp=v5",
+        "target=tiny_llama",
+        "target.config.hidden_size=64",
+        "resume=true",
+        "hydra.verbose=true",
+        "drafter.rope_scaling={rope_type: yarn}",
+    ],
+)
+def test_valid_overrides_pass(override):
+    check_override(override)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["+train.stpes=5"], "did you mean train.steps"),
+        (["train.log_every=0"], "train.log_every"),
+        (["resume=/nonexistent/run"], "no resumable checkpoint under '/nonexistent/run'"),
+    ],
+)
+def test_bad_invocation_is_one_line_and_leaves_no_directory(tmp_path, args, match):
+    before = set(os.listdir(ROOT))
+    t0 = time.monotonic()
+    r = _train([f"out_root={tmp_path}/out", *args])
+    assert re.search(match, _error_line(r))
+    assert not (tmp_path / "out").exists()
+    assert set(os.listdir(ROOT)) == before  # no .hydra/, train.log or outputs/ in the cwd
+    assert time.monotonic() - t0 < 60  # before any model loads (was ~20 s of loading + regen)
+
+
+def test_target_too_big_for_memory_or_needing_cuda_is_refused(monkeypatch):
+    import dflash.preflight as P
+
+    big = target_cfg("qwen3_6_27b_random")
+    assert 20e9 < P.estimate_params(big.config) < 32e9  # the 27B shape
+    monkeypatch.setattr(P, "available_bytes", lambda dev: 16 * 10**9)
+    with pytest.raises(ValueError, match=r"qwen3_6_27b_random.*needs ~4\d\.\d GB.*16\.0 GB free"):
+        P.check_target_resources(big, device="cpu")
+    P.check_target_resources(target_cfg("tiny_qwen3_5"), device="cpu")  # fits
+    monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA device"):
+        P.check_target_resources(target_cfg("tiny_qwen3_5", device="cuda"))
+    with pytest.raises(ValueError, match="linear_attn_backend=fla needs a CUDA device"):
+        P.check_target_resources(target_cfg("tiny_qwen3_5", linear_attn_backend="fla"))
+
+
+def test_safetensors_weights_are_counted_from_headers(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    import dflash.preflight as P
+
+    save_file(
+        {"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)},
+        tmp_path / "m.safetensors",
+    )
+    assert (
+        P.target_weight_bytes(target_cfg("tiny_llama", config=None, path=str(tmp_path)), "float32")
+        == 17 * 4
+    )
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_prints_resume_command_and_it_continues_in_place(tmp_path):
+    # long enough that SIGINT lands mid-run, short enough that the resumed run finishes it
+    args = [f"out_root={tmp_path}", "train.steps=60", *TINY_RUN]
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    run_dir = None
+    for line in p.stdout:
+        if line.startswith("run dir: "):
+            run_dir = line.split("run dir: ")[1].strip()
+        if line.startswith("step      3 |"):
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("interrupted at step")]
+    assert len(lines) == 1, err[-3000:]
+    step = int(re.match(r"interrupted at step (\d+); resume with: ", lines[0]).group(1))
+    assert step >= 3
+    cmd = shlex.split(lines[0].split("resume with: ")[1])
+    assert cmd[:2] == ["python", "train.py"] and f"resume={run_dir}" in cmd
+    log = open(os.path.join(run_dir, "train.log")).read()
+    assert f"run dir: {run_dir}" in log and "step      1 | loss=" in log and lines[0] in log
+
+    assert step < 60, "the run finished before the interrupt: the test proves nothing"
+    r = _train(cmd[2:])  # the printed command as is (a changed schedule would be refused)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"run dir: {run_dir}" in r.stdout
+    assert f"resumed from {run_dir}/checkpoints/step_{step:08d} at step {step}" in r.stdout
+    assert f"step {step + 1:>6d} | loss=" in r.stdout
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_00000060"))
+
+
+def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
+    from dflash.config import RunConfig
+    from dflash.eval_cli import eval_dir
+
+    ck = tmp_path / "smoke-1" / "checkpoints" / "step_00000300"
+    ck.mkdir(parents=True)
+    assert eval_dir(RunConfig(ckpt=str(ck))) == os.path.join("evals", "smoke-1-step_00000300")
+    pub = tmp_path / "Qwen3.6-27B-DFlash"
+    pub.mkdir()
+    assert eval_dir(RunConfig(ckpt=str(pub))) == os.path.join("evals", "Qwen3.6-27B-DFlash")
+    before = set(os.listdir(ROOT))
+    r = subprocess.run(
+        [sys.executable, "eval.py", f"ckpt={tmp_path}/missing"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert "is not a directory" in _error_line(r)
+    assert set(os.listdir(ROOT)) == before
+
+
+def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys):
+    import dflash.preflight as P
+    from dflash.tools import parity
+
+    monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
+    argv = [
+        "--target",
+        "qwen3_6_27b_random",
+        "--a",
+        "torch:bfloat16:cuda",
+        "--b",
+        "fla:bfloat16:cuda",
+    ]
+    t0 = time.monotonic()
+    assert parity.main(argv) == 2
+    assert "no CUDA device" in capsys.readouterr().err and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize(
+    "train,resume,match",
+    [
+        ({"dist": "deepspeed", "zero_stage": 3}, None, "zero_stage=3 is not verified"),
+        ({"dist": "fsdp"}, "/some/run", "resume with train.dist=fsdp"),
+    ],
+)
+def test_distribution_choices_checked_before_loading(train, resume, match):
+    from dflash.config import RunConfig, TrainConfig
+    from dflash.preflight import check_dist
+
+    with pytest.raises(ValueError, match=match):
+        check_dist(RunConfig(train=TrainConfig(**train), resume=resume))
+
+
+def test_missing_data_file_is_named_before_loading(tmp_path):
+    from dflash.config import DataConfig, RunConfig
+    from dflash.preflight import check_files
+
+    cfg = RunConfig(data=DataConfig(source="jsonl", paths=[str(tmp_path / "nope.jsonl")]))
+    with pytest.raises(FileNotFoundError, match="data.paths: .*nope.jsonl"):
+        check_files(cfg)
