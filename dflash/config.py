@@ -347,17 +347,9 @@ class RunConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def validate(self) -> RunConfig:
-        """Each group checks itself; the rules that span groups are here."""
-        for group in (
-            self.target,
-            self.drafter,
-            self.data,
-            self.train,
-            self.eval,
-            self.logger,
-            self.topology,
-        ):
-            group.validate()
+        """Each group checks itself (no rule spans groups today)."""
+        for name in _GROUPS:
+            getattr(self, name).validate()
         return self
 
 
@@ -367,6 +359,8 @@ def _check_choice(key: str, value: Any, allowed: tuple) -> None:
 
 
 SCHEMA_NAME = "dflash_run_schema"
+# config group name -> its schema (the RunConfig fields whose type is a *Config dataclass)
+_GROUPS = {f.name: globals()[f.type] for f in dataclasses.fields(RunConfig) if "Config" in f.type}
 
 
 def register_configs() -> None:
@@ -390,15 +384,7 @@ def to_run_config(cfg: Any) -> RunConfig:
         raise ValueError(f"unknown top-level config key {k!r}")
     kwargs = {}
     for name, value in raw.items():
-        cls = {
-            "target": TargetConfig,
-            "drafter": DrafterConfig,
-            "data": DataConfig,
-            "train": TrainConfig,
-            "eval": EvalConfig,
-            "logger": LoggerConfig,
-            "topology": TopologyConfig,
-        }.get(name)
+        cls = _GROUPS.get(name)
         kwargs[name] = cls(**value) if cls is not None else value
     if kwargs.get("resume") is not None:
         kwargs["resume"] = str(kwargs["resume"])
