@@ -184,7 +184,11 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300  # optimizer steps
+    steps: int = 300  # optimizer steps (an upper bound when time_budget_min is set)
+    # wall-clock minutes for the whole run (load, regeneration, training, evals, final eval and
+    # save; summed over resumes): training ends in time for the final eval; the lr schedule
+    # follows the clock (dflash.budget). None: train for train.steps
+    time_budget_min: float | None = None
     micro_batch_size: int = 8  # sequences per micro step (per trainer rank)
     grad_accum: int = 1  # micro-batches per step
     max_anchors: int = 512  # anchors per sequence, resampled every step
@@ -229,6 +233,10 @@ class TrainConfig:
         if self.gamma is not None and not self.gamma > 0:
             raise ValueError(
                 f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.gamma}"
+            )
+        if self.time_budget_min is not None and not self.time_budget_min > 0:
+            raise ValueError(
+                f"train.time_budget_min must be > 0 minutes, got {self.time_budget_min}"
             )
         if len(self.betas) != 2:
             raise ValueError(f"train.betas must have two values, got {list(self.betas)}")

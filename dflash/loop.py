@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Protocol
@@ -53,14 +54,18 @@ def train_loop(
     tc = cfg.train
     last: dict = {}
     first_eval = None
+    budget = trainer.budget
+    if budget is not None:
+        budget.start_training()
     if cfg.eval.enabled and trainer.step == 0:
         drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
     if evaluator is not None and trainer.step == 0:
-        first_eval = evaluator.run(drafter, trainer.heads)
+        with _timed(budget, "eval"):
+            first_eval = evaluator.run(drafter, trainer.heads)
         logger.log(first_eval, step=0)
         logger.log_eval(evaluator.reports, 0)
     bar = tqdm(
-        total=tc.steps,
+        total=tc.steps if budget is None else None,  # a budgeted run ends on the clock
         initial=trainer.step,
         desc="train",
         unit="step",
@@ -71,21 +76,47 @@ def train_loop(
     interrupted = None
     with stop:
         while trainer.step < tc.steps:
-            interrupted = _step(
+            interrupted, final = _step(
                 cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop
             )
-            if interrupted is not None or (stop_at is not None and trainer.step >= stop_at):
+            if final or interrupted is not None:
+                break
+            if stop_at is not None and trainer.step >= stop_at:
                 break
     bar.close()
+    if budget is not None:
+        last["time/run_min"] = budget.elapsed() / 60.0
+        logger.info(
+            f"time budget: stopped at step {trainer.step} after {budget.elapsed() / 60:.1f} of "
+            f"{budget.total_s / 60:g} min"
+        )
+    if writer and interrupted is None:
+        _plot(run_dir, logger)
     _summarize(logger, last, first_eval)
     if interrupted is not None:
         raise interrupted
     return last
 
 
+def _timed(budget, kind: str):
+    return budget.timed(kind) if budget is not None else contextlib.nullcontext()
+
+
+def _plot(run_dir: str, logger: Logger) -> None:
+    """metrics.png in the run dir: the learning curve without wandb (dflash.tools.plot)."""
+    try:
+        from .tools.plot import plot_run
+
+        logger.info(f"plots: {plot_run(run_dir)}")
+    except ImportError as e:
+        logger.info(f"plots: skipped ({e}; pip install 'dflash[plots]')")
+
+
 def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop):
-    """One step: train; maybe log, eval, save. Returns Interrupted when Ctrl-C asked to stop."""
+    """One step: train; maybe log, eval, save. Returns (Interrupted when Ctrl-C asked to stop,
+    whether this was the last step: train.steps reached or the time budget spent)."""
     tc = cfg.train
+    budget = trainer.budget
     t0 = time.perf_counter()
     batches = source.next_batches()
     t1 = time.perf_counter()
@@ -101,36 +132,47 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         }
     )
     metrics.update(source.step_metrics(t1 - t0, t2 - t1))
+    final = step == tc.steps
+    post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
+    if budget is not None:
+        final = final or budget.agreed_done(
+            trainer.dp_group if trainer.dp_world > 1 else None, trainer.device
+        )
+        metrics["time/run_min"] = budget.elapsed() / 60.0
+        metrics["time/budget_progress"] = budget.progress()
+        post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
     bar.update(1)
-    bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/acc']:.3f}")
-    if step % tc.log_every == 0 or step == tc.steps:
+    bar.set_postfix(post)
+    if step % tc.log_every == 0 or final:
         metrics.update(source.interval_metrics())
         logger.log(metrics, step)
     last.update(metrics)
     interrupted = stop.agreed(trainer.dp_group if trainer.dp_world > 1 else None, trainer.device)
-    periodic = step % tc.save_every == 0 or step == tc.steps
-    evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or step == tc.steps)
+    periodic = step % tc.save_every == 0 or final
+    evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or final)
     save = periodic or (interrupted and tc.save_on_interrupt)
     drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
     if evaluator is not None and evaluate:
-        ev = evaluator.run(drafter, trainer.heads)
+        with _timed(budget, "eval"):
+            ev = evaluator.run(drafter, trainer.heads)
         logger.log(ev, step)
         logger.log_eval(evaluator.reports, step)
         last.update(ev)
     if writer and save:
-        last["checkpoint"] = save_checkpoint(
-            run_dir,
-            step,
-            drafter,
-            trainer.state_dict(),
-            tc.keep_last,
-            extra={"source": source.state_dict()},
-        )
-        logger.log_checkpoint(last["checkpoint"], step)
+        with _timed(budget, "save"):
+            last["checkpoint"] = save_checkpoint(
+                run_dir,
+                step,
+                drafter,
+                trainer.state_dict(),
+                tc.keep_last,
+                extra={"source": source.state_dict()},
+            )
+            logger.log_checkpoint(last["checkpoint"], step)
     if interrupted:
         saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
-        return Interrupted(step, saved)
-    return None
+        return Interrupted(step, saved), final
+    return None, final
 
 
 def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:

@@ -29,6 +29,11 @@ def check_run(cfg: RunConfig) -> None:
 
 
 def check_dist(cfg: RunConfig) -> None:
+    if cfg.train.time_budget_min is not None and cfg.topology.mode == "split":
+        raise ValueError(
+            "train.time_budget_min is not supported with topology=split yet (the target workers "
+            "produce batches for train.steps); set train.steps, or run topology=colocated"
+        )
     if cfg.train.dist == "deepspeed":
         try:
             import deepspeed  # noqa: F401

@@ -22,6 +22,7 @@ from .blocks import (
     mask_rules,
     sample_anchors,
 )
+from .budget import TimeBudget, budget_lr
 from .config import TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
 from .flex_attn import resolve_kernel, to_kernel_masks
@@ -77,13 +78,22 @@ class DrafterTrainer:
         self.opt = self.par.optimizer
         if cfg.compile:  # shapes change with every batch: dynamic after the first recompile
             self.model = torch.compile(self.model)
-        warmup = int(round(cfg.warmup_ratio * cfg.steps))
+        # train.time_budget_min: the schedule follows the clock (dflash.budget), not the step
+        self.budget = TimeBudget(cfg.time_budget_min) if cfg.time_budget_min else None
+        self._progress = 0.0
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.par.base_optimizer, lambda s: cosine_lr(s, cfg.steps, warmup, cfg.min_lr_ratio)
+            self.par.base_optimizer, lambda s: self._lr_factor(s)
         )
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
         self.attn_kernel = resolve_kernel(cfg.attn_kernel, device)
         self.step = 0
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.cfg
+        if self.budget is not None:
+            return budget_lr(self._progress, cfg.warmup_ratio, cfg.min_lr_ratio)
+        warmup = int(round(cfg.warmup_ratio * cfg.steps))
+        return cosine_lr(step, cfg.steps, warmup, cfg.min_lr_ratio)
 
     # ------------------------------------------------------------------ pieces
     def prepare(self, tb: TargetBatch, step: int) -> Prepared:
@@ -216,6 +226,8 @@ class DrafterTrainer:
             correct_total += correct.detach()
         lr = self.par.base_optimizer.param_groups[0]["lr"]
         grad_norm = self.par.step()
+        if self.budget is not None:
+            self._progress = self.budget.progress()
         self.sched.step()
         self.step += 1
         # Counted on the device and read back once: the step's only host sync after anchor
@@ -264,6 +276,7 @@ class DrafterTrainer:
             "optimizer": self.par.optimizer_state(),
             "scheduler": self.sched.state_dict(),
             "step": self.step,
+            **({"budget": self.budget.state_dict()} if self.budget is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -272,3 +285,6 @@ class DrafterTrainer:
         self.par.load_optimizer_state(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        if self.budget is not None and "budget" in state:
+            self.budget.load_state_dict(state["budget"])
+            self._progress = self.budget.progress()

@@ -1,0 +1,114 @@
+"""`train.time_budget_min`: a run that ends on the clock instead of at `train.steps`.
+
+The budget is wall-clock time for the whole run, summed over resumes: loading the target,
+regenerating the data, training, the in-loop evals, the final eval and the last save. Training
+ends once what is left would only just fit the final eval and save (`reserve`, the longest eval
+and save seen so far, x 1.25), so the run finishes inside the budget. The learning-rate schedule
+(warmup, cosine) follows the fraction of the training window used instead of the step count, so
+a budgeted run always reaches the end of its schedule; `train.steps` is then an upper bound.
+
+The clock starts when `dflash` is first imported (the launcher imports it first thing) and is
+saved in every checkpoint: a resumed run counts the time its earlier part spent up to the
+checkpoint (the minutes between the interruption and the resume are not counted; what ran after
+the checkpoint is redone and counted again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import PROCESS_T0
+
+RESERVE_FACTOR = 1.25  # margin on the longest eval + save seen
+_RUN_T0: float | None = None  # set by the launcher: the run started with the process
+
+
+def start_clock_at_process_start() -> None:
+    """The launcher's first act: budgets count from when the process imported dflash. Without
+    it (a run started from Python) a budget counts from the trainer's construction."""
+    global _RUN_T0
+    _RUN_T0 = PROCESS_T0
+
+
+class TimeBudget:
+    def __init__(self, minutes: float, now=None):
+        """now: the clock (time.monotonic; tests pass their own)."""
+        self.total_s = float(minutes) * 60.0
+        self._now = now or time.monotonic
+        self._t0 = _RUN_T0 if (_RUN_T0 is not None and now is None) else self._now()
+        self.prior_s = 0.0  # spent by earlier parts of the run (from the checkpoint)
+        self.train_t0: float | None = None  # run time when training started
+        self._longest: dict[str, float] = {}  # longest eval / save seen
+
+    def elapsed(self) -> float:
+        return self.prior_s + self._now() - self._t0
+
+    def left(self) -> float:
+        return self.total_s - self.elapsed()
+
+    def start_training(self) -> None:
+        if self.train_t0 is None:
+            self.train_t0 = self.elapsed()
+
+    @contextlib.contextmanager
+    def timed(self, kind: str):
+        """Time an eval or a save on the run's clock and keep room for one more of it."""
+        t0 = self._now()
+        yield
+        self.note(kind, self._now() - t0)
+
+    def note(self, kind: str, seconds: float) -> None:
+        """An eval or a save (`kind`) took `seconds`: keep room for one more of each at the end."""
+        self._longest[kind] = max(self._longest.get(kind, 0.0), float(seconds))
+
+    @property
+    def reserve_s(self) -> float:
+        return RESERVE_FACTOR * sum(self._longest.values())
+
+    def progress(self) -> float:
+        """Fraction of the training window used: 0 when training starts, 1 when it must end."""
+        t0 = self.train_t0 if self.train_t0 is not None else self.elapsed()
+        window = self.total_s - self.reserve_s - t0
+        if window <= 0:
+            return 1.0
+        return min(1.0, max(0.0, (self.elapsed() - t0) / window))
+
+    def done(self) -> bool:
+        return self.progress() >= 1.0
+
+    def agreed_done(self, group=None, device=None) -> bool:
+        """Every data-parallel rank stops after the same step: any rank's clock ends them all."""
+        if group is None:
+            return self.done()
+        flag = torch.tensor([float(self.done())], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item() > 0)
+
+    def state_dict(self) -> dict:
+        return {
+            "elapsed_s": self.elapsed(),
+            "train_t0": self.train_t0,
+            "longest": dict(self._longest),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the clock of a checkpoint (this process's own time, loading and cached data
+        included, keeps counting on top)."""
+        self.prior_s = float(state["elapsed_s"])
+        self.train_t0 = state["train_t0"]
+        self._longest = {k: float(v) for k, v in state["longest"].items()}
+
+
+def budget_lr(progress: float, warmup_ratio: float, min_ratio: float) -> float:
+    """LR multiplier against the fraction of the training window: linear warmup over the first
+    warmup_ratio of it, then cosine to min_ratio at the end (the step schedule of loss.cosine_lr,
+    with time for steps)."""
+    if warmup_ratio > 0 and progress < warmup_ratio:
+        return max(progress / warmup_ratio, 1e-3)
+    p = (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))

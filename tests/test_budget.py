@@ -1,0 +1,169 @@
+"""train.time_budget_min: the run ends on the clock, in time for its final eval and save; the lr
+schedule follows the clock; a resumed budgeted run continues the clock and equals an
+uninterrupted one (on a deterministic fake clock)."""
+
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+from dflash.budget import TimeBudget, budget_lr
+
+
+class Clock:
+    def __init__(self, t=0.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_budget_clock_reserve_progress_and_resume():
+    c = Clock(100.0)
+    b = TimeBudget(1.0, now=c)  # 60 s
+    c.t += 10
+    b.start_training()  # training starts 10 s into the run
+    with b.timed("eval"):
+        c.t += 8  # an eval of 8 s: 10 s kept for the final one
+    assert b.reserve_s == pytest.approx(10.0)
+    c.t = 100 + 30
+    assert b.progress() == pytest.approx((30 - 10) / (60 - 10 - 10))
+    assert not b.done()
+    state = b.state_dict()
+    c.t = 100 + 50
+    assert b.done() and b.progress() == 1.0
+    # a resumed process: its own clock starts anywhere; the checkpoint's 30 s carry on
+    c2 = Clock(5000.0)
+    r = TimeBudget(1.0, now=c2)
+    r.load_state_dict(state)
+    assert r.elapsed() == pytest.approx(30.0) and r.progress() == pytest.approx(0.5)
+    c2.t += 20
+    assert r.done()
+
+
+def test_budget_lr_warms_up_then_decays_to_min():
+    assert budget_lr(0.0, 0.1, 0.0) == pytest.approx(1e-3)
+    assert budget_lr(0.05, 0.1, 0.0) == pytest.approx(0.5)
+    assert budget_lr(0.1, 0.1, 0.0) == pytest.approx(1.0)
+    assert budget_lr(0.55, 0.1, 0.0) == pytest.approx(0.5)
+    assert budget_lr(1.0, 0.1, 0.2) == pytest.approx(0.2)
+    xs = [budget_lr(p / 100, 0.1, 0.0) for p in range(10, 101)]
+    assert all(a >= b for a, b in zip(xs, xs[1:]))
+
+
+def _cfg(tmp_path, resume=None):
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from dflash.cli import setup, typed
+
+    setup()
+    over = [
+        "train.steps=1000",
+        "train.time_budget_min=1",  # 60 s of fake time
+        "train.warmup_ratio=0.1",
+        "train.save_every=3",
+        "train.eval_every=4",
+        "train.log_every=1",
+        "train.micro_batch_size=2",
+        "train.max_anchors=6",
+        "train.keep_last=10",
+        "data.num_samples=8",
+        "data.response_len=12",
+        "eval.num_prompts=2",
+        "eval.completion_len=8",
+        "eval.budgets=[4]",
+        "logger=console",
+        f"out_root={tmp_path}",
+        f"data.cache_dir={tmp_path}/cache",
+    ]
+    if resume:
+        over.append(f"resume={resume}")
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return typed(compose("config", overrides=over))
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    """Each train step takes 4 s and each eval 3 s of a fake clock; loading takes none."""
+    import dflash.evaluation as ev
+    import dflash.trainer as tr
+
+    clock = Clock()
+    monkeypatch.setattr(tr, "TimeBudget", functools.partial(TimeBudget, now=clock))
+    step, run = tr.DrafterTrainer.train_step, ev.Evaluator.run
+
+    def train_step(self, micro):
+        clock.t += 4.0
+        return step(self, micro)
+
+    def eval_run(self, drafter, heads):
+        clock.t += 3.0
+        return run(self, drafter, heads)
+
+    monkeypatch.setattr(tr.DrafterTrainer, "train_step", train_step)
+    monkeypatch.setattr(ev.Evaluator, "run", eval_run)
+    return clock
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def _master(step_dir) -> dict:
+    from dflash.checkpoint import STATE_FILE
+
+    return torch.load(os.path.join(step_dir, STATE_FILE), weights_only=False)
+
+
+def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path, fake_time):
+    from dflash.colocated import run_colocated
+
+    run_dir = str(tmp_path / "full")
+    out = run_colocated(_cfg(tmp_path), run_dir)
+    last = int(os.path.basename(out["checkpoint"]).split("_")[1])
+    # 3 s step-0 eval, 4 s steps, 3 s evals after steps 4 and 8; reserve 1.25 x 3 s: after step
+    # 12 the run is 3 + 48 + 6 = 57 s old, past 60 - 3.75 s
+    assert last == 12, last
+    assert fake_time.t <= 60.0  # the final eval fits in the budget
+    rows = _rows(run_dir)
+    assert any(r["step"] == last and "eval/tau" in r for r in rows)  # final eval
+    lrs = [r["train/lr"] for r in rows if "train/lr" in r]
+    peak = max(lrs)
+    assert lrs.index(peak) in range(1, 4) and lrs[-1] < 0.05 * peak  # warmup, then cosine
+    assert os.path.isfile(os.path.join(run_dir, "metrics.png"))
+    state = _master(out["checkpoint"])["trainer"]["budget"]
+    assert 50 < state["elapsed_s"] <= 60
+
+
+def test_budgeted_resume_continues_the_clock_and_equals_uninterrupted(tmp_path, fake_time):
+    from dflash.colocated import run_colocated
+
+    full = run_colocated(_cfg(tmp_path), str(tmp_path / "full"))
+    fake_time.t = 0.0
+    run_colocated(_cfg(tmp_path), str(tmp_path / "part"), stop_at=6)
+    fake_time.t = 1000.0  # the resumed process's clock starts elsewhere
+    ckpt = str(tmp_path / "part" / "checkpoints" / "step_00000006")
+    cont = run_colocated(_cfg(tmp_path, resume=ckpt), str(tmp_path / "part"))
+    assert os.path.basename(cont["checkpoint"]) == os.path.basename(full["checkpoint"])
+    a = _master(full["checkpoint"])["drafter_fp32"]
+    b = _master(cont["checkpoint"])["drafter_fp32"]
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-7), k
+    c = _master(ckpt)["drafter_fp32"]
+    assert not torch.allclose(c["fc.weight"], a["fc.weight"])
+
+
+def test_budget_with_split_topology_is_refused_before_anything_runs():
+    from dflash.config import RunConfig, TopologyConfig, TrainConfig
+    from dflash.preflight import check_dist
+
+    cfg = RunConfig(
+        train=TrainConfig(time_budget_min=5), topology=TopologyConfig(mode="split")
+    )
+    with pytest.raises(ValueError, match="time_budget_min.*split"):
+        check_dist(cfg)
+    with pytest.raises(ValueError, match="must be > 0"):
+        TrainConfig(time_budget_min=0).validate()
