@@ -151,6 +151,7 @@ class DataConfig:
     # stdlib: functions/classes of the CPython standard library turned into completion prompts.
     source: str = "selfgen"
     paths: list[str] = field(default_factory=list)  # jsonl/parquet files (globs)
+    code_dirs: list[str] = field(default_factory=list)  # stdlib: more *.py dirs, `site-packages`
     prompt_field: str = "prompt"  # row field with the prompt
     num_samples: int = 256  # samples to (re)generate
     prompt_len: int = 16  # selfgen prompt tokens

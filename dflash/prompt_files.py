@@ -23,7 +23,7 @@ def text_prompts(cfg: DataConfig) -> list:
     if cfg.source == "stdlib":
         from .corpora import stdlib_prompts
 
-        return stdlib_prompts(cfg.num_samples, seed=cfg.seed)
+        return stdlib_prompts(cfg.num_samples, seed=cfg.seed, code_dirs=tuple(cfg.code_dirs))
     if cfg.source == "humaneval":
         from .corpora import humaneval_prompts
 

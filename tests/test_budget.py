@@ -160,9 +160,7 @@ def test_budget_with_split_topology_is_refused_before_anything_runs():
     from dflash.config import RunConfig, TopologyConfig, TrainConfig
     from dflash.preflight import check_dist
 
-    cfg = RunConfig(
-        train=TrainConfig(time_budget_min=5), topology=TopologyConfig(mode="split")
-    )
+    cfg = RunConfig(train=TrainConfig(time_budget_min=5), topology=TopologyConfig(mode="split"))
     with pytest.raises(ValueError, match="time_budget_min.*split"):
         check_dist(cfg)
     with pytest.raises(ValueError, match="must be > 0"):
