@@ -106,6 +106,7 @@ class DrafterConfig:
     attention_bias: bool = False  # bias in q/k/v/o
     hidden_act: str = "silu"  # MLP activation
     init_std: float = 0.02  # init std of weights
+    init_norm_from_target: bool = False  # final norm starts at the target's gain (else ones)
     # Initialise from an existing drafter checkpoint directory (serving format).
     init_from: str | None = None
 
@@ -186,9 +187,8 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300  # optimizer steps (an upper bound when time_budget_min is set)
-    # wall-clock minutes for the whole run (load, regeneration, training, evals, final eval and
-    # save; summed over resumes): training ends in time for the final eval; the lr schedule
-    # follows the clock (dflash.budget). None: train for train.steps
+    # minutes for the whole run (load, regen, training, evals; summed over resumes): training
+    # ends in time for the final eval, the lr schedule follows the clock (dflash.budget)
     time_budget_min: float | None = None
     micro_batch_size: int = 8  # sequences per micro step (per trainer rank)
     grad_accum: int = 1  # micro-batches per step

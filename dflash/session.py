@@ -38,6 +38,15 @@ class Session:
             evaluator = Evaluator.from_config(
                 cfg, target, data_cache(cfg, self.run_dir), log=self.logger.info
             )
+        if cfg.drafter.init_norm_from_target and not cfg.drafter.init_from:
+            gain = getattr(target, "final_norm_gain", None)
+            if gain is None:
+                raise ValueError(
+                    "drafter.init_norm_from_target needs the target's final norm, which split "
+                    "trainer ranks do not load; use topology=colocated or drop the option"
+                )
+            with torch.no_grad():  # a resumed run then loads its own weights over it
+                self.drafter.norm.weight.copy_(gain())
         trainer = DrafterTrainer(
             self.drafter,
             Heads(target.embed_tokens, target.lm_head),

@@ -291,6 +291,14 @@ class Target(nn.Module):
             layer_ids=self.layer_ids,
         )
 
+    @torch.no_grad()
+    def final_norm_gain(self) -> torch.Tensor:
+        """The final norm's per-channel gain (fp32, host): its output for a unit-RMS input of
+        ones, whatever its parametrisation (`w`, or `1 + w` in Qwen3.5's zero-centred norm)."""
+        x = torch.ones(1, self.hidden_size, device=self.device, dtype=torch.float32)
+        norm = self.model.get_decoder().norm
+        return norm(x.to(norm.weight.dtype))[0].float().cpu()
+
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.get_decoder().layers
 
