@@ -64,6 +64,8 @@ def _methods(target, drafter, budgets) -> dict:
 def greedy_report(target, drafter, items, budgets, offline: dict, log=print) -> dict:
     """Decode `items` (already the first N) greedily with every method; see the module
     docstring for the keys. offline: `evaluate`'s summary on the same items (tau, tau@b)."""
+    if not items:
+        return {}
     dev = target.device
     jobs = [(it.prompt_ids.tolist(), len(it.completion_ids)) for it in items]
     out: dict = {"decode_new_tokens": sum(n for _, n in jobs)}
