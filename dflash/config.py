@@ -271,18 +271,21 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     top_p: float = 1.0  # nucleus (1.0: off)
     top_k: int = 0  # top-k (0: off)
-    # eval.py: also decode the first N eval prompts for real, sampled at each temperature
-    # (dflash.decode_eval: decode_tau_t{T} beside the offline tau_t{T} on the same prompts)
+    # eval.py: also decode the first N eval prompts for real: greedy AR / chain / tree speed and
+    # == AR (dflash.decode_speed), and sampled at each temperature (dflash.decode_eval)
     real_decode_prompts: int = 0
+    # DDTree budgets b of that real greedy decoding (decode_tokens_per_s_tree@b, decode_tau_tree@b)
+    decode_tree_budgets: list[int] = field(default_factory=lambda: [64])
 
     def validate(self) -> None:
         if self.real_decode_prompts < 0:
             raise ValueError(
                 f"eval.real_decode_prompts must be >= 0, got {self.real_decode_prompts}"
             )
-        bad = [b for b in self.budgets if b < 1]
-        if bad:
-            raise ValueError(f"eval.budgets must all be >= 1 (DDTree node budgets); got {bad}")
+        for key in ("budgets", "decode_tree_budgets"):
+            bad = [b for b in getattr(self, key) if b < 1]
+            if bad:
+                raise ValueError(f"eval.{key} must all be >= 1 (DDTree node budgets); got {bad}")
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"eval.temperatures must be >= 0, got {list(self.temperatures)}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:

@@ -1,12 +1,17 @@
-"""Real sampled decoding beside the offline figures (eval.py, `eval.real_decode_prompts=N`).
+"""Real decoding beside the offline figures (eval.py, `eval.real_decode_prompts=N`).
 
-For the first N eval prompts and each of eval.temperatures: chain speculative decoding with
-rejection sampling (`dflash.decoding.sample_chain`, seeded by eval.seed + prompt index) for as
-many tokens as the prompt's cached greedy completion, and its tau (1 + accepted drafts per
-verify round, micro-averaged over rounds) as `decode_tau_t{T}`; next to it the offline expected
-`tau_t{T}` on the same N prompts as `decode_offline_tau_t{T}`. At T=0 the two are equal (the
-offline walk is exact for greedy decoding); at T>0 the offline figure takes the target's
-distributions along the greedy completion, the real one along the sampled text.
+Greedy (`dflash.decode_speed`): AR, chain and DDTree (`eval.decode_tree_budgets`) on the first
+N eval prompts: tokens/s, speedup over AR, real vs offline tau, outputs identical to AR.
+
+Sampled: for the first N eval prompts and each of eval.temperatures > 0, chain speculative
+decoding with rejection sampling (`dflash.decoding.sample_chain`, seeded by eval.seed + prompt
+index) for as many tokens as the prompt's cached greedy completion, and its tau (1 + accepted
+drafts per verify round, micro-averaged over rounds) as `decode_tau_t{T}`; next to it the
+offline expected `tau_t{T}` on the same N prompts as `decode_offline_tau_t{T}`. At T=0 sampled
+decoding is greedy chain decoding (tests/test_sampled_decoding.py), so `decode_tau_t0` is the
+greedy chain's `decode_tau_chain` (not decoded twice), equal to the offline tau (the offline walk
+is exact for greedy decoding); at T>0 the offline figure takes the target's distributions along
+the greedy completion, the real one along the sampled text.
 """
 
 from __future__ import annotations
@@ -15,21 +20,29 @@ import math
 
 import torch
 
+from .decode_speed import greedy_report
 from .decoding import Sampling, sample_chain
 from .evaluation import EvalItem, evaluate
 from .shape import Heads
 
 
 @torch.no_grad()
-def decode_report(target, drafter, items: list[EvalItem], n: int, ecfg) -> dict:
+def decode_report(target, drafter, items: list[EvalItem], n: int, ecfg, log=print) -> dict:
     items = items[:n]
     temps = [float(t) for t in ecfg.temperatures]
+    budgets = [int(b) for b in ecfg.decode_tree_budgets]
     out: dict = {"decode_prompts": len(items)}
     heads = Heads(target.embed_tokens, target.lm_head)
     _, offline = evaluate(
-        drafter, heads, items, [], temperatures=temps, top_p=ecfg.top_p, top_k=ecfg.top_k
+        drafter, heads, items, budgets, temperatures=temps, top_p=ecfg.top_p, top_k=ecfg.top_k
     )
+    out.update(greedy_report(target, drafter, items, budgets, offline, log=log))
     for t in temps:
+        if t == 0:
+            out["decode_tau_t0"] = out["decode_tau_chain"]
+            out["decode_rounds_t0"] = out["decode_rounds_chain"]
+            out["decode_offline_tau_t0"] = offline["tau_t0"]
+            continue
         accepted, tokens = [], 0
         for i, it in enumerate(items):
             s = Sampling(t, ecfg.top_p, ecfg.top_k, seed=ecfg.seed + i)

@@ -100,7 +100,9 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         top_k=rc.eval.top_k,
     )
     if rc.eval.real_decode_prompts:
-        summary.update(decode_report(target, drafter, items, rc.eval.real_decode_prompts, rc.eval))
+        summary.update(
+            decode_report(target, drafter, items, rc.eval.real_decode_prompts, rc.eval, log=print)
+        )
     print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
     if rc.out:
         meta = {

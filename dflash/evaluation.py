@@ -26,7 +26,7 @@ from .metrics import evaluate_prompt, summarize
 from .sampling import expected_accepted, overlap, warp
 
 # evaluation-time only: not in the cache key
-SAMPLING_KEYS = ("temperatures", "top_p", "top_k", "real_decode_prompts")
+SAMPLING_KEYS = ("temperatures", "top_p", "top_k", "real_decode_prompts", "decode_tree_budgets")
 
 
 @dataclass

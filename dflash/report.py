@@ -9,6 +9,8 @@ import os
 from rich.console import Console
 from rich.table import Table
 
+from .decode_speed import is_speed_key, speed_table
+
 
 def _fmt(v) -> str:
     if isinstance(v, float):
@@ -50,7 +52,8 @@ def print_report(
         "streak",
         "tau",
         *sorted(k for k in summary if k.startswith("tau_t")),
-        *sorted(k for k in summary if k.startswith("decode_")),
+        # the greedy decoding figures get their own table below
+        *sorted(k for k in summary if k.startswith("decode_") and not is_speed_key(k)),
         *[f"dds@{b}" for b in budgets],
         *[f"tau@{b}" for b in budgets],
         *sorted(
@@ -61,6 +64,9 @@ def print_report(
         if k in summary:
             s.add_row(k, _fmt(summary[k]))
     console.print(s)
+    speed = speed_table(summary)
+    if speed is not None:
+        console.print(speed)
 
 
 def _finite(x):

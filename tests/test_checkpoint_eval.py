@@ -171,6 +171,41 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
         assert rep["summary"][k] == pytest.approx(last[f"eval/{k}"], abs=1e-9, nan_ok=True), k
 
 
+def test_eval_cli_real_decoding(trained_run, tmp_path):
+    """eval.real_decode_prompts=N: the greedy AR / chain / tree figures reach the JSON summary
+    and print as one table; at float32 every output is AR's."""
+    run_dir, _ = trained_run
+    out = tmp_path / "rep.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "eval.py",
+            f"ckpt={run_dir / 'checkpoints' / 'step_00000020'}",
+            f"out={out}",
+            f"out_root={tmp_path}",
+            f"eval_dir={tmp_path}/ev",
+            "logger=none",
+            "eval.num_prompts=2",
+            "eval.completion_len=24",
+            "eval.real_decode_prompts=2",
+            "eval.decode_tree_budgets=[4]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "real greedy decoding, first 2 prompts" in r.stdout
+    assert "AR == cached greedy completion on 2/2" in r.stdout
+    s = json.load(open(out))["summary"]
+    for m in ("chain", "tree@4"):
+        assert s[f"decode_identical_{m}"] == 2
+        assert s[f"decode_tau_{m}"] == pytest.approx(s[f"decode_offline_tau_{m}"], abs=1e-12)
+        assert s[f"decode_tokens_per_s_{m}"] > 0 and s[f"decode_speedup_{m}"] > 0
+    assert s["decode_tokens_per_s_ar"] > 0
+
+
 @pytest.mark.parametrize(
     "break_it,match",
     [
