@@ -266,16 +266,14 @@ class EvalConfig:
     source: str | None = None  # None: the training source, rows training does not use
     paths: list[str] = field(default_factory=list)  # eval prompt files
     show_rounds: int = 2  # rounds printed per prompt in the table
-    # Acceptance at temperature > 0 as the reference samples (dflash.sampling): eval/tau_t{T}
-    # per temperature; top_p / top_k apply to target and drafter alike (0 / 1.0: off).
+    # eval/tau_t{T} as the reference samples (dflash.sampling); top_p/top_k: target and drafter
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     top_p: float = 1.0  # nucleus (1.0: off)
     top_k: int = 0  # top-k (0: off)
     # eval.py: also decode the first N eval prompts for real: greedy AR / chain / tree speed and
     # == AR (dflash.decode_speed), and sampled at each temperature (dflash.decode_eval)
     real_decode_prompts: int = 0
-    # DDTree budgets b of that real greedy decoding (decode_tokens_per_s_tree@b, decode_tau_tree@b)
-    decode_tree_budgets: list[int] = field(default_factory=lambda: [64])
+    decode_tree_budgets: list[int] = field(default_factory=lambda: [64])  # its DDTree budgets
 
     def validate(self) -> None:
         if self.real_decode_prompts < 0:
@@ -314,9 +312,7 @@ class TopologyConfig:
     mode: str = "colocated"  # colocated | split
     num_target_ranks: int = 0  # split: first T ranks run the target, the rest train
     window: int = 2  # batches in flight per worker->trainer link (backpressure); also the trainer's prefetch depth
-    timeout_s: float = (
-        600.0  # a silent peer for this long stops the run (must exceed eval/checkpoint pauses)
-    )
+    timeout_s: float = 600.0  # a silent peer this long stops the run (> eval/save pauses)
     on_bad_batch: str = "skip"  # skip | stop  (NaN/inf aux states)
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     # Startup (target load, data regeneration/reading on rank 0, checkpoint load) may take this long

@@ -20,6 +20,9 @@ EXPS = sorted(
 # Experiments that need local weights/data compose as-is; they build on a tiny target.
 TINY = [
     "target=tiny_qwen3_5",
+    "target.device=auto",  # a GPU recipe names cuda
+    "target.dtype=auto",
+    "data.code_dirs=[]",
     "data=selfgen",
     "data.num_samples=4",
     "data.response_len=8",
