@@ -2,10 +2,11 @@
 
 The budget is wall-clock time for the whole run, summed over resumes: loading the target,
 regenerating the data, training, the in-loop evals, the final eval and the last save. Training
-ends once what is left would only just fit the final eval and save (`reserve`, the longest eval
-and save seen so far, x 1.25), so the run finishes inside the budget. The learning-rate schedule
-(warmup, cosine) follows the fraction of the training window used instead of the step count, so
-a budgeted run always reaches the end of its schedule; `train.steps` is then an upper bound.
+ends once what is left would only just fit one more step and the final eval and save (`reserve`:
+the longest step, and the longest eval and save seen so far x 1.25), so the run finishes inside
+the budget. The learning-rate schedule (warmup, cosine) follows the fraction of the training
+window used instead of the step count, so a budgeted run always reaches the end of its schedule;
+`train.steps` is then an upper bound.
 
 The clock starts when `dflash` is first imported (the launcher imports it first thing) and is
 saved in every checkpoint: a resumed run counts the time its earlier part spent up to the
@@ -45,6 +46,9 @@ class TimeBudget:
         self.train_t0: float | None = None  # run time when training started
         self._longest: dict[str, float] = {}  # longest eval / save seen
 
+    def now(self) -> float:
+        return self._now()
+
     def elapsed(self) -> float:
         return self.prior_s + self._now() - self._t0
 
@@ -63,12 +67,16 @@ class TimeBudget:
         self.note(kind, self._now() - t0)
 
     def note(self, kind: str, seconds: float) -> None:
-        """An eval or a save (`kind`) took `seconds`: keep room for one more of each at the end."""
+        """An eval, a save or a step (`kind`) took `seconds`: keep room for one more of each at
+        the end (the clock is read after a step, so the step that would cross the line is never
+        started)."""
         self._longest[kind] = max(self._longest.get(kind, 0.0), float(seconds))
 
     @property
     def reserve_s(self) -> float:
-        return RESERVE_FACTOR * sum(self._longest.values())
+        """Room kept at the end: one more eval and save (x RESERVE_FACTOR) and one more step."""
+        step = self._longest.get("step", 0.0)
+        return RESERVE_FACTOR * (sum(self._longest.values()) - step) + step
 
     def progress(self) -> float:
         """Fraction of the training window used: 0 when training starts, 1 when it must end."""

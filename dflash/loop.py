@@ -117,6 +117,7 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
     whether this was the last step: train.steps reached or the time budget spent)."""
     tc = cfg.train
     budget = trainer.budget
+    b0 = budget.now() if budget is not None else None
     t0 = time.perf_counter()
     batches = source.next_batches()
     t1 = time.perf_counter()
@@ -135,6 +136,7 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
     final = step == tc.steps
     post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
     if budget is not None:
+        budget.note("step", budget.now() - b0)
         final = final or budget.agreed_done(
             trainer.dp_group if trainer.dp_world > 1 else None, trainer.device
         )

@@ -124,9 +124,9 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
     run_dir = str(tmp_path / "full")
     out = run_colocated(_cfg(tmp_path), run_dir)
     last = int(os.path.basename(out["checkpoint"]).split("_")[1])
-    # 3 s step-0 eval, 4 s steps, 3 s evals after steps 4 and 8; reserve 1.25 x 3 s: after step
-    # 12 the run is 3 + 48 + 6 = 57 s old, past 60 - 3.75 s
-    assert last == 12, last
+    # 3 s step-0 eval, 4 s steps, 3 s evals after steps 4 and 8; reserve: one step + 1.25 x 3 s.
+    # After step 11 the run is 3 + 44 + 6 = 53 s old, past 60 - 7.75 s (after step 10: 49 s)
+    assert last == 11, last
     assert fake_time.t <= 60.0  # the final eval fits in the budget
     rows = _rows(run_dir)
     assert any(r["step"] == last and "eval/tau" in r for r in rows)  # final eval
