@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 
 from .config import LoggerConfig
 
@@ -59,6 +60,20 @@ class ConsoleLogger(Logger):
             print(f"step {step:>6d} | " + " ".join(parts), flush=True)
 
 
+def _wandb_id(run_dir: str) -> str:
+    """One wandb run per run directory: the id is kept in <run_dir>/wandb_id, so a resumed run
+    continues the same wandb run (its charts go on from the checkpoint's step)."""
+    path = os.path.join(run_dir, "wandb_id")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:12]  # wandb ids: [a-z0-9], unique per project
+    with open(path + ".tmp", "w") as f:
+        f.write(run_id + "\n")
+    os.replace(path + ".tmp", path)
+    return run_id
+
+
 class WandbLogger(ConsoleLogger):
     """wandb as its users expect: the resolved config, metrics by namespace on a trainer/step
     axis, a per-prompt eval table and an acceptance-length histogram per eval, and (opt-in,
@@ -86,6 +101,7 @@ class WandbLogger(ConsoleLogger):
             project=cfg.project,
             entity=cfg.entity,
             name=run_name,
+            id=_wandb_id(run_dir),
             dir=run_dir,
             config=config,
             mode=mode,

@@ -139,3 +139,23 @@ def test_dashboard_spec_names_only_metrics_that_runs_log(tmp_path, capsys):
     assert wanted - logged == set()
     assert spec["x"] == "trainer/step"
     assert main(["--print"]) == 0 and "tau (tokens per verify round)" in capsys.readouterr().out
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """The wandb id lives in the run dir: a second logger there (a resume) reuses it."""
+    from dflash.config import LoggerConfig
+    from dflash.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    cfg = LoggerConfig(kind="wandb", mode="offline")
+    ids = []
+    for _ in range(2):
+        lg = WandbLogger(cfg, str(tmp_path), "r", {"a": 1})
+        ids.append(lg.run.id)
+        lg.close()
+    assert ids[0] == ids[1] == (tmp_path / "wandb_id").read_text().strip()
+    (tmp_path / "other").mkdir()
+    other = WandbLogger(cfg, str(tmp_path / "other"), "o", {})
+    assert other.run.id != ids[0]
+    other.close()
