@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable
 
 import torch
@@ -93,7 +94,7 @@ def generate_greedy(
     Resumable: after every batch the responses so far go to `partial_path` (atomically, with a
     key of the prompts and settings); a rerun with the same arguments continues from there and
     gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds)."""
-    key = _regen_key(prompts, max_new_tokens, batch_size, temperature, seed)
+    key = _regen_key(sorted(prompts, key=len), max_new_tokens, batch_size, temperature, seed)
     shards = ResponseShards(partial_path) if partial_path else None
     done = []
     if partial_path and os.path.isfile(partial_path):  # the older single-file format
@@ -110,16 +111,40 @@ def generate_greedy(
         leave=False,
         disable=os.environ.get("DFLASH_NO_PROGRESS") == "1",
     )
+    # Batches of similar lengths: left padding (and a static cache as long as the longest
+    # prompt) cost little; the responses come back in the prompts' order.
+    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    ordered = [prompts[j] for j in order]
+    t0, new_tokens = time.perf_counter(), 0
     for i in range(len(done), len(prompts), batch_size):
         batch = _generate_batch(
-            target, prompts[i : i + batch_size], max_new_tokens, temperature, seed + i
+            target, ordered[i : i + batch_size], max_new_tokens, temperature, seed + i
         )
         done += batch
-        bar.update(len(prompts[i : i + batch_size]))
+        new_tokens += sum(len(r) for r in batch)
+        bar.update(len(batch))
         if shards:  # one shard per batch, streamed: nothing already written is rewritten
             shards.append(key, i // batch_size, batch)
     bar.close()
-    return done
+    if log and new_tokens:
+        dt = time.perf_counter() - t0
+        log(
+            f"{desc}: {new_tokens} new tokens in {dt:.1f} s ({new_tokens / dt:,.0f} tokens/s, "
+            f"batch {batch_size}, {decoder_name(target, temperature)})"
+        )
+    out = [None] * len(prompts)
+    for j, r in zip(order, done):
+        out[j] = r
+    return out
+
+
+def decoder_name(target, temperature: float) -> str:
+    if temperature <= 0 and target.device.type == "cuda":
+        from .regen import supports_static
+
+        if supports_static(target.model):
+            return "static cache + CUDA graph"
+    return "HF generate"
 
 
 def _generate_batch(
@@ -276,7 +301,9 @@ def regenerate_dataset(
 
     check_training_source(dcfg.source, dcfg.paths)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    t0 = time.perf_counter()
     prompts, num_long = drop_long_prompts(build_prompts(dcfg, tcfg, target), dcfg.max_length)
+    t_prompts = time.perf_counter() - t0
     if not prompts:
         raise ValueError(
             f"the dataset is empty: every prompt has >= data.max_length={dcfg.max_length} "
@@ -284,7 +311,8 @@ def regenerate_dataset(
         )
     log(
         f"data: regenerating {len(prompts)} responses (source {dcfg.source}, up to {dcfg.response_len} "
-        f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking})"
+        f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking}; "
+        f"prompts built and tokenized in {t_prompts:.1f} s)"
     )
     responses = generate_greedy(
         target,

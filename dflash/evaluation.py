@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -148,9 +149,10 @@ def build_eval_set(
             items = load_eval_set(path)
             log(f"eval: {len(items)} prompts from cache {path}")
             return items
+    t0 = time.perf_counter()
     prompts = eval_prompts(cfg, target, exclude_training)
     comps = generate_greedy(
-        target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy"
+        target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy", log=log
     )
     items = [consistent_greedy(target, p, c) for p, c in zip(prompts, comps)]
     items = [it for it in items if it.completion_ids.numel() >= 2]
@@ -158,8 +160,16 @@ def build_eval_set(
         raise ValueError(
             "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
         )
+    short = len(prompts) - len(items)
     log(
-        f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy tokens"
+        f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy "
+        f"tokens, built in {time.perf_counter() - t0:.1f} s"
+        + (
+            f" ({short} of {len(prompts)} left out: their batched greedy completion and a one-shot "
+            "forward disagree within 2 tokens, a near-tie)"
+            if short
+            else ""
+        )
     )
     if path:
         save_eval_set(items, path)

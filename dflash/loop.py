@@ -55,6 +55,7 @@ def train_loop(
     last: dict = {}
     first_eval = None
     budget = trainer.budget
+    fresh = budget is not None and budget.train_t0 is None
     if budget is not None:
         budget.start_training()
     if cfg.eval.enabled and trainer.step == 0:
@@ -64,6 +65,8 @@ def train_loop(
             first_eval = evaluator.run(drafter, trainer.heads)
         logger.log(first_eval, step=0)
         logger.log_eval(evaluator.reports, 0)
+    if fresh:
+        _report_start(budget, logger)
     bar = tqdm(
         total=tc.steps if budget is None else None,  # a budgeted run ends on the clock
         initial=trainer.step,
@@ -76,9 +79,15 @@ def train_loop(
     interrupted = None
     with stop:
         while trainer.step < tc.steps:
+            t_first = time.perf_counter() if "perf/target_s" not in last else None
             interrupted, final = _step(
                 cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop
             )
+            if t_first is not None:  # kernels compile on the first step (flex attention, compile)
+                logger.info(
+                    f"first step: {last['perf/target_s'] + last['perf/drafter_s']:.1f} s "
+                    f"(target {last['perf/target_s']:.1f} s, drafter {last['perf/drafter_s']:.1f} s)"
+                )
             if final or interrupted is not None:
                 break
             if stop_at is not None and trainer.step >= stop_at:
@@ -96,6 +105,19 @@ def train_loop(
     if interrupted is not None:
         raise interrupted
     return last
+
+
+def _report_start(budget, logger: Logger) -> None:
+    """How much of the budget went before the first step (target load, data, eval set, step-0
+    eval), and a warning when that leaves training less than half."""
+    spent, total = budget.elapsed(), budget.total_s
+    msg = f"time budget: {spent / 60:.1f} of {total / 60:g} min spent before training"
+    if spent > total / 2:
+        msg += (
+            f"; training gets {max(total - spent, 0) / 60:.1f} min: raise train.time_budget_min, "
+            "lower data.num_samples, or reuse a data cache (data.cache_dir)"
+        )
+    logger.info(msg)
 
 
 def _timed(budget, kind: str):
