@@ -42,6 +42,17 @@ def eval_dir(rc: RunConfig, root: str = "evals") -> str:
     return rc.eval_dir or os.path.join(root, name)
 
 
+def _restore_group(rc: RunConfig, group: str, cls, saved: dict, user_set: set[str]):
+    """The run's own values of a config group, with the keys the command line names on top
+    (`eval.real_decode_prompts=8` keeps the run's eval prompts)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    mine = sorted({k.split(".")[1] for k in user_set if k.startswith(group + ".")} & fields)
+    merged = {k: v for k, v in saved.items() if k in fields}
+    merged.update({k: getattr(getattr(rc, group), k) for k in mine})
+    label = group + (f" (but {', '.join(f'{group}.{k}' for k in mine)})" if mine else "")
+    return dataclasses.replace(rc, **{group: cls(**merged)}), label
+
+
 def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     if not rc.ckpt:
         raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
@@ -70,13 +81,13 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         # it saw them in training
         restored = []
         for group, cls in (("target", TargetConfig), ("data", DataConfig), ("eval", EvalConfig)):
-            if group in prev and not any(k == group or k.startswith(group + ".") for k in user_set):
-                rc = dataclasses.replace(rc, **{group: cls(**prev[group])})
-                restored.append(group)
+            if group in prev and group not in user_set:  # `eval=default` takes the whole group
+                rc, label = _restore_group(rc, group, cls, prev[group], user_set)
+                restored.append(label)
         if restored:
             print(
                 f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
-                f"eval source {rc.eval.source or rc.data.source})"
+                f"eval source {rc.eval.source or rc.data.source}, {rc.eval.num_prompts} prompts)"
             )
     if prev is None:
         print(

@@ -147,6 +147,7 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
             f"out_root={tmp_path}",
             f"eval_dir={tmp_path}/ev",
             "logger=none",
+            "eval.show_rounds=1",  # one eval key named: the run's other eval keys still apply
         ],
         cwd=ROOT,
         capture_output=True,
@@ -154,6 +155,7 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "eval (but eval.show_rounds)" in r.stdout
     assert "Detected fc input: 384 = 3 target layers" in r.stdout
     assert "per prompt" in r.stdout and "summary" in r.stdout
     rep = json.load(open(out))
@@ -311,3 +313,21 @@ def test_per_prompt_table_columns_hold_their_own_values():
     cols = [c.strip() for c in head.strip("┃ ").split("┃")]
     cells = [c.strip() for c in row.strip("│ ").split("│")]
     assert dict(zip(cols, cells))["dds@4"] == "0.250"
+
+
+def test_eval_cli_keeps_the_runs_eval_keys_it_is_not_told_to_change():
+    """`eval.real_decode_prompts=4` alone must not swap the run's HumanEval eval set for the
+    default one (it did: a named eval key dropped the whole restored group)."""
+    from dflash.config import EvalConfig, RunConfig
+    from dflash.eval_cli import _restore_group
+
+    rc = RunConfig(eval=EvalConfig(real_decode_prompts=4))
+    saved = {"source": "humaneval", "num_prompts": 164, "completion_len": 256, "gone_key": 1}
+    out, label = _restore_group(rc, "eval", EvalConfig, saved, {"eval.real_decode_prompts"})
+    assert (out.eval.source, out.eval.num_prompts, out.eval.completion_len) == (
+        "humaneval",
+        164,
+        256,
+    )
+    assert out.eval.real_decode_prompts == 4
+    assert label == "eval (but eval.real_decode_prompts)"
