@@ -1,0 +1,113 @@
+"""An ablation table from run directories: `python -m dflash.tools.compare RUN_DIR... [--out T.md]`.
+
+For each run: the config keys that differ between the runs (the ablated settings), its last
+step, its wall time (budgeted runs), its final eval (tau, the largest DDTree budget's tau@b),
+its last training accuracy and its median training throughput, as one markdown table. Runs of a
+sweep (`python train.py -m +exp=NAME drafter.num_layers=2,4 ...`) or any runs side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+
+from .plot import load_metrics
+
+
+def flat_config(run_dir: str) -> dict:
+    path = os.path.join(run_dir, "run_config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found; pass run directories (outputs/<run>)")
+    with open(path) as f:
+        cfg = json.load(f)
+    out = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = node
+
+    walk("", cfg)
+    return out
+
+
+_NOT_SETTINGS = ("run_name", "out_root", "resume", "ckpt", "out", "eval_dir", "data.cache_dir")
+
+
+def differing_keys(configs: list[dict]) -> list[str]:
+    keys = sorted({k for c in configs for k in c})
+    return [
+        k
+        for k in keys
+        if not k.startswith(_NOT_SETTINGS)
+        and len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1
+    ]
+
+
+def summarize(run_dir: str) -> dict:
+    rows = load_metrics(run_dir)
+    evals = [r for r in rows if "eval/tau" in r]
+    train = [r for r in rows if "train/loss" in r]
+    last_eval = evals[-1] if evals else {}
+    budgets = sorted(int(k.split("@")[1]) for k in last_eval if k.startswith("eval/tau@"))
+    out = {
+        "step": max((r["step"] for r in rows), default=0),
+        "minutes": max((r.get("time/run_min", 0.0) for r in rows), default=0.0) or None,
+        "tau": last_eval.get("eval/tau"),
+        "tree": (budgets[-1], last_eval[f"eval/tau@{budgets[-1]}"]) if budgets else None,
+        "acc": train[-1]["train/acc"] if train else None,
+        "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in train) if train else None,
+        "epochs": train[-1].get("data/epoch") if train else None,
+    }
+    return out
+
+
+def table(run_dirs: list[str]) -> str:
+    configs = [flat_config(d) for d in run_dirs]
+    keys = differing_keys(configs)
+    head = ["run", *keys, "steps", "min", "epochs", "train acc", "tokens/s", "tau", "DDTree tau@b"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for d, c in zip(run_dirs, configs):
+        s = summarize(d)
+        cells = [os.path.basename(os.path.normpath(d))]
+        cells += [json.dumps(c.get(k)) if not isinstance(c.get(k), str) else c[k] for k in keys]
+        cells += [
+            str(s["step"]),
+            _f(s["minutes"], 1),
+            _f(s["epochs"], 2),
+            _f(s["acc"], 3),
+            _f(s["tokens_per_s"], 0),
+            _f(s["tau"], 3),
+            f"{s['tree'][1]:.3f} @{s['tree'][0]}" if s["tree"] else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _f(x, digits: int) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("runs", nargs="+", help="run directories (globs allowed)")
+    ap.add_argument("--out", default=None, help="also write the table to this file")
+    a = ap.parse_args()
+    dirs = [d for pat in a.runs for d in sorted(glob.glob(pat)) if os.path.isdir(d)]
+    dirs = [d for d in dirs if os.path.isfile(os.path.join(d, "run_config.json"))]
+    if not dirs:
+        raise SystemExit(f"error: no run directories (with run_config.json) in {a.runs}")
+    text = table(dirs)
+    print(text, end="")
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""dflash.tools.compare: the ablation table names the settings that differ and each run's
+final figures."""
+
+import json
+
+from dflash.tools.compare import table
+
+
+def _run(d, layers, tau, budget_min=None):
+    d.mkdir()
+    cfg = {"run_name": d.name, "drafter": {"num_layers": layers, "block_size": 16}, "train": {}}
+    (d / "run_config.json").write_text(json.dumps(cfg))
+    rows = [
+        {"step": 0, "eval/tau": 1.0, "eval/tau@64": 1.0},
+        {"step": 10, "train/loss": 2.0, "train/acc": 0.5, "perf/tokens_per_s": 100.0},
+        {
+            "step": 20,
+            "train/loss": 1.0,
+            "train/acc": 0.6,
+            "perf/tokens_per_s": 300.0,
+            "data/epoch": 1.5,
+            **({"time/run_min": budget_min} if budget_min else {}),
+        },
+        {"step": 20, "eval/tau": tau, "eval/tau@16": tau + 0.1, "eval/tau@64": tau + 0.5},
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(d)
+
+
+def test_table_lists_differing_settings_and_final_figures(tmp_path):
+    out = table([_run(tmp_path / "a", 2, 2.5, 9.8), _run(tmp_path / "b", 4, 3.0)])
+    lines = out.splitlines()
+    assert lines[0].split(" | ")[1] == "drafter.num_layers"  # run_name differs but is no setting
+    assert "block_size" not in out
+    a = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert a == ["a", "2", "20", "9.8", "1.50", "0.600", "200", "2.500", "3.000 @64"]
+    b = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert b[1] == "4" and b[3] == "-" and b[-2:] == ["3.000", "3.500 @64"]
