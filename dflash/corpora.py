@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
+import hashlib
 import json
 import os
 import random
@@ -125,7 +126,9 @@ def code_dir_paths(name: str) -> list[str]:
 @functools.lru_cache(maxsize=4)
 def code_corpus(dirs: tuple[str, ...]) -> tuple[str, ...]:
     """Completion stubs of every *.py file under `dirs` (the standard library's rules: no tests;
-    anything whose path names HumanEval is skipped, it is held out)."""
+    anything whose path names HumanEval is skipped, it is held out). Parsing a large
+    site-packages takes minutes, so the result is kept in <assets>/corpus/, keyed by every
+    file's path, size and mtime (a changed or added file parses everything again)."""
     files = sorted(
         {
             f
@@ -135,7 +138,21 @@ def code_corpus(dirs: tuple[str, ...]) -> tuple[str, ...]:
             if not _names_humaneval(f)
         }
     )
-    return tuple(dict.fromkeys(s for stubs in _parse_all(files) for s in stubs))
+    h = hashlib.sha256()
+    for f in files:
+        st = os.stat(f)
+        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    path = os.path.join(assets_dir(), "corpus", f"code-{h.hexdigest()[:16]}.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as fh:
+            return tuple(json.load(fh))
+    items = tuple(dict.fromkeys(s for stubs in _parse_all(files) for s in stubs))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(list(items), fh)
+    os.replace(tmp, path)
+    return items
 
 
 def _parse_all(files: list[str]) -> list[list[str]]:

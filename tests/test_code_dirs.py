@@ -15,7 +15,8 @@ def undocumented(x):
 '''
 
 
-def test_code_dirs_add_documented_stubs_and_skip_tests_and_humaneval(tmp_path):
+def test_code_dirs_add_documented_stubs_and_skip_tests_and_humaneval(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path / "assets"))  # the parsed-corpus cache
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "geo.py").write_text(MOD)
     for skipped in ("tests", "human_eval"):
@@ -30,6 +31,27 @@ def test_code_dirs_add_documented_stubs_and_skip_tests_and_humaneval(tmp_path):
     assert not any("def area(r):" in p for p in stdlib_prompts(n, seed=0))
 
 
-def test_code_dirs_names_a_missing_directory(tmp_path):
+def test_code_dirs_names_a_missing_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path / "assets"))
     with pytest.raises(FileNotFoundError, match="data.code_dirs.*not a directory"):
         code_corpus((str(tmp_path / "nope"),))
+
+
+def test_code_corpus_is_kept_on_disk_until_a_file_changes(tmp_path, monkeypatch):
+    import dflash.corpora as corpora
+
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path / "assets"))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "geo.py").write_text(MOD)
+    first = corpora.code_corpus.__wrapped__((str(src),))
+    assert len(list((tmp_path / "assets" / "corpus").iterdir())) == 1
+
+    def no_parse(path):
+        raise AssertionError("parsed again")
+
+    monkeypatch.setattr(corpora, "stdlib_items", no_parse)
+    assert corpora.code_corpus.__wrapped__((str(src),)) == first  # from disk
+    (src / "geo.py").write_text(MOD + "\n\ndef more():\n    '''More.'''\n")
+    with pytest.raises(AssertionError, match="parsed again"):
+        corpora.code_corpus.__wrapped__((str(src),))
