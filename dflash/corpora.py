@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import functools
 import gzip
-import hashlib
 import json
 import os
 import random
@@ -123,13 +122,10 @@ def code_dir_paths(name: str) -> list[str]:
     return [path]
 
 
-@functools.lru_cache(maxsize=4)
-def code_corpus(dirs: tuple[str, ...]) -> tuple[str, ...]:
-    """Completion stubs of every *.py file under `dirs` (the standard library's rules: no tests;
-    anything whose path names HumanEval is skipped, it is held out). Parsing a large
-    site-packages takes minutes, so the result is kept in <assets>/corpus/, keyed by every
-    file's path, size and mtime (a changed or added file parses everything again)."""
-    files = sorted(
+def code_files(dirs: tuple[str, ...]) -> list[str]:
+    """The *.py files under `dirs` (the standard library's rules: no tests; anything whose path
+    names HumanEval is skipped, it is held out)."""
+    return sorted(
         {
             f
             for name in dirs
@@ -138,21 +134,25 @@ def code_corpus(dirs: tuple[str, ...]) -> tuple[str, ...]:
             if not _names_humaneval(f)
         }
     )
-    h = hashlib.sha256()
-    for f in files:
-        st = os.stat(f)
-        h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    path = os.path.join(assets_dir(), "corpus", f"code-{h.hexdigest()[:16]}.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as fh:
-            return tuple(json.load(fh))
-    items = tuple(dict.fromkeys(s for stubs in _parse_all(files) for s in stubs))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(list(items), fh)
-    os.replace(tmp, path)
-    return items
+
+
+@functools.lru_cache(maxsize=4)
+def code_corpus(dirs: tuple[str, ...], need: int | None = None, seed: int = 0) -> tuple[str, ...]:
+    """Completion stubs of the files under `dirs`. need: stop once that many distinct stubs are
+    found, reading the files in an order shuffled by `seed` (a site-packages holds ~10^5 stubs
+    and parsing them all takes minutes; a run needs a few thousand). Deterministic for a seed
+    and the installed files."""
+    files = code_files(dirs)
+    if need is not None:
+        random.Random(seed).shuffle(files)
+    items: dict[str, None] = {}
+    step = 256 if need is not None else max(len(files), 1)
+    for i in range(0, len(files), step):
+        for stubs in _parse_all(files[i : i + step]):
+            items.update(dict.fromkeys(stubs))
+        if need is not None and len(items) >= need:
+            break
+    return tuple(items)
 
 
 def _parse_all(files: list[str]) -> list[list[str]]:
@@ -184,8 +184,9 @@ def stdlib_prompts(
     if num < 1:
         raise ValueError(f"data.num_samples must be >= 1 for data.source=stdlib, got {num}")
     items = stdlib_corpus(root)
-    if code_dirs:
-        items = tuple(dict.fromkeys(items + code_corpus(tuple(code_dirs))))
+    if code_dirs:  # twice what is sampled, so the sample still mixes both sources
+        extra = code_corpus(tuple(code_dirs), need=2 * num, seed=seed)
+        items = tuple(dict.fromkeys(items + extra))
     picks = random.Random(seed).sample(range(len(items)), min(num, len(items)))
     return [completion_prompt(items[i], raw) for i in picks]
 

@@ -37,21 +37,20 @@ def test_code_dirs_names_a_missing_directory(tmp_path, monkeypatch):
         code_corpus((str(tmp_path / "nope"),))
 
 
-def test_code_corpus_is_kept_on_disk_until_a_file_changes(tmp_path, monkeypatch):
+def test_code_corpus_reads_only_as_many_files_as_it_needs(tmp_path, monkeypatch):
+    """A site-packages has ~10^5 stubs: a run that needs a few thousand parses a seeded random
+    share of the files, the same share for the same seed."""
     import dflash.corpora as corpora
 
-    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path / "assets"))
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "geo.py").write_text(MOD)
-    first = corpora.code_corpus.__wrapped__((str(src),))
-    assert len(list((tmp_path / "assets" / "corpus").iterdir())) == 1
-
-    def no_parse(path):
-        raise AssertionError("parsed again")
-
-    monkeypatch.setattr(corpora, "stdlib_items", no_parse)
-    assert corpora.code_corpus.__wrapped__((str(src),)) == first  # from disk
-    (src / "geo.py").write_text(MOD + "\n\ndef more():\n    '''More.'''\n")
-    with pytest.raises(AssertionError, match="parsed again"):
-        corpora.code_corpus.__wrapped__((str(src),))
+    for i in range(600):
+        (tmp_path / f"m{i:03d}.py").write_text(MOD.replace("area", f"area{i}"))
+    parsed = []
+    real = corpora.stdlib_items
+    monkeypatch.setattr(corpora, "_parse_all", lambda fs: [parsed.append(f) or real(f) for f in fs])
+    some = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=1)
+    assert 10 <= len(some) == len(parsed) <= 256  # one chunk of files, not all 600
+    again = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=1)
+    assert again == some
+    other = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=2)
+    assert set(other) != set(some)
+    assert len(corpora.code_corpus.__wrapped__((str(tmp_path),))) == 600  # need=None: all
