@@ -8,8 +8,7 @@
   collect their exit codes (tests need to watch each process; torchrun would tear the job down).
 - `InstrumentTap` + `python -m dflash.testing train.py ARGS`: train.py with the split stream
   instrumented from the environment: DFLASH_PIPE_DUMP=DIR saves every micro-batch as sent and
-  as received; DFLASH_FAULT="kind@rank:step[,...]" makes a worker die, hang or send NaN;
-  DFLASH_ALLOW_ZERO3=1 lets train.zero_stage=3 (refused by preflight) run, to be measured.
+  as received; DFLASH_FAULT="kind@rank:step[,...]" makes a worker die, hang or send NaN.
 """
 
 from __future__ import annotations
@@ -278,27 +277,10 @@ class InstrumentTap(wire.StreamTap):
         torch.save({**fields, **where, "g": g}, os.path.join(self.dump_dir, f"{kind}_{g:07d}.pt"))
 
 
-def _allow_zero3() -> None:
-    """preflight.check_dist without its train.zero_stage=3 refusal (docs/pipeline.md says why
-    train.py refuses it); every other check stays."""
-    from . import preflight
-
-    check = preflight.check_dist
-
-    def check_dist(cfg):
-        if cfg.train.dist == "deepspeed" and cfg.train.zero_stage == 3:
-            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, zero_stage=2))
-        check(cfg)
-
-    preflight.check_dist = check_dist
-
-
 def main(argv: list[str]) -> None:
     """`python -m dflash.testing SCRIPT ARGS`: run SCRIPT (train.py) as __main__ with the stream
     instruments installed for this rank."""
     wire.tap = InstrumentTap(int(os.environ.get("RANK", "0")))
-    if os.environ.get("DFLASH_ALLOW_ZERO3") == "1":
-        _allow_zero3()
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 

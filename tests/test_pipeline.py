@@ -531,13 +531,12 @@ def test_colocated_two_ranks_sharded_equals_ddp(split_ref, root, dist):
 
 @pytest.mark.slow
 def test_colocated_two_ranks_zero3_is_ddp_up_to_adam_eps(split_ref, root):
-    """train.zero_stage=3 (refused by train.py; run here through DFLASH_ALLOW_ZERO3): eval, the
-    gathers and saves leave its training bitwise unchanged, and it ends with DDP's fp32 master
+    """train.zero_stage=3: eval, the gathers and saves leave its training bitwise unchanged, and it ends with DDP's fp32 master
     weights but for a few whose first-step gradient is near AdamW's eps, where the fp32 rounding
     of ZeRO-3's reordered gradient sums moves the first update (docs/pipeline.md); that gap does
     not grow over the run."""
     pytest.importorskip("deepspeed")
-    env = {"DS_ACCELERATOR": "cpu", "DFLASH_ALLOW_ZERO3": "1"}
+    env = {"DS_ACCELERATOR": "cpu"}
     z3 = ["train.dist=deepspeed", "train.zero_stage=3"]
     ev = ["eval.enabled=true", "eval.num_prompts=2", "eval.completion_len=16"]
     job = run_job(root, "zero3-eval", 2, z3 + ev, env=env, timeout=240)
