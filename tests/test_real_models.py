@@ -144,3 +144,67 @@ def test_gguf_converts_once_to_a_plain_directory(tmp_path):
     assert converted.keys() == direct.keys()
     for n in direct:
         assert torch.equal(converted[n], direct[n]), n
+
+
+@needs_smol
+@needs_humaneval
+def test_coder_recipe_runs_on_its_budget_and_scores_humaneval(tmp_path):
+    """`+exp=smollm2_coder` (the qwen05_coder recipe on SmolLM2), shrunk to CPU: stdlib plus
+    extra code dirs, a wall-clock budget, HumanEval in the chat format at every eval, the plot
+    and the serving checkpoint, and eval.py reproducing the last in-loop eval."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "geo.py").write_text(
+        'def area(r):\n    """Area of a circle."""\n    return 3.14 * r * r\n'
+    )
+    over = [
+        "+exp=smollm2_coder",
+        "target.device=cpu",
+        "target.dtype=float32",
+        "train.time_budget_min=1.5",
+        f"data.code_dirs=[{code}]",
+        "data.num_samples=24",
+        "data.response_len=24",
+        "data.regen_batch_size=12",
+        "eval.num_prompts=3",
+        "eval.completion_len=24",
+        "eval.budgets=[4]",
+        "drafter.num_layers=1",
+        "train.micro_batch_size=4",
+        "train.max_anchors=8",
+        "train.log_every=5",
+        f"out_root={tmp_path}",
+        "run_name=r",
+        "logger=console",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1"}
+    r = subprocess.run(
+        [sys.executable, "train.py", *over], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = (tmp_path / "r" / "train.log").read_text()
+    assert "min spent before training" in log and "time budget: stopped at step" in log
+    rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
+    assert max(r["time/run_min"] for r in rows if "time/run_min" in r) <= 1.5
+    last = [x for x in rows if "eval/tau" in x][-1]
+    assert last["eval/num_prompts"] == 3 and last["step"] > 0
+    assert (tmp_path / "r" / "metrics.png").is_file()
+    ck = tmp_path / "r" / "checkpoints" / f"step_{last['step']:08d}"
+    out = tmp_path / "rep.json"
+    r = subprocess.run(
+        [sys.executable, "eval.py", f"ckpt={ck}", f"out={out}", f"eval_dir={tmp_path}/ev"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "eval source humaneval, 3 prompts" in r.stdout
+    s = json.load(open(out))["summary"]
+    assert s["tau"] == pytest.approx(last["eval/tau"], abs=1e-9)
+    assert s["tau@4"] == pytest.approx(last["eval/tau@4"], abs=1e-9)
