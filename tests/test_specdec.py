@@ -322,3 +322,13 @@ def test_tree_verify_equals_sequential(name):
         after = snapshot_linear_state(cache)  # the committed cache was not touched
         for s0, s1 in zip(before, after):
             assert all(torch.equal(s0[0][k], s1[0][k]) for k in (0, 1))
+
+
+def test_tree_refuses_an_attention_kernel_that_ignores_its_mask(monkeypatch):
+    """A kernel that does not apply the ancestor-only mask (e.g. flash_attention_2) would verify
+    every tree node against the whole block: refused, naming the setting."""
+    target = get_target("tiny_llama")
+    drafter = _base_drafter(target)
+    monkeypatch.setattr(target.model.config, "_attn_implementation", "flash_attention_2")
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'"):
+        generate_tree(target, drafter, _prompts(1, seed=0)[0], 4, 4)

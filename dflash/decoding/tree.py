@@ -72,6 +72,10 @@ def root_to_leaf_paths(tree) -> list:
     return paths
 
 
+# attention implementations that apply a custom 4D mask as given
+MASK_HONOURING = ("sdpa", "eager")
+
+
 @torch.no_grad()
 def generate_tree(
     target,
@@ -97,6 +101,13 @@ def generate_tree(
     t0 = time.perf_counter()
     cache = new_cache(model)
     hybrid = is_hybrid_cache(cache)
+    impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if not hybrid and impl not in MASK_HONOURING:
+        raise ValueError(
+            f"generate_tree verifies the tree with an ancestor-only 4D attention mask, which "
+            f"attn_implementation={impl!r} does not apply (the verify would be silently wrong); "
+            f"load the target with one of {list(MASK_HONOURING)} (target.attn_implementation)"
+        )
     greedy, aux = run(ids, arange_row(0, P, dev), cache, last_only=True)
     out = [int(greedy[0, -1])]
     ds = DrafterState(target, drafter)
