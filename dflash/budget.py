@@ -17,13 +17,13 @@ the checkpoint is redone and counted again).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import torch
 import torch.distributed as dist
 
 from . import PROCESS_T0
+from .loss import cosine_decay
 
 RESERVE_FACTOR = 1.25  # margin on the longest eval + save seen
 _RUN_T0: float | None = None  # set by the launcher: the run started with the process
@@ -118,5 +118,4 @@ def budget_lr(progress: float, warmup_ratio: float, min_ratio: float) -> float:
     with time for steps)."""
     if warmup_ratio > 0 and progress < warmup_ratio:
         return max(progress / warmup_ratio, 1e-3)
-    p = (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, p)))
+    return cosine_decay((progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio), min_ratio)

@@ -94,7 +94,11 @@ def generate_greedy(
     Resumable: after every batch the responses so far go to `partial_path` (atomically, with a
     key of the prompts and settings); a rerun with the same arguments continues from there and
     gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds)."""
-    key = _regen_key(sorted(prompts, key=len), max_new_tokens, batch_size, temperature, seed)
+    # Batches of similar lengths: left padding (and a static cache as long as the longest
+    # prompt) cost little; the responses come back in the prompts' order.
+    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    ordered = [prompts[j] for j in order]
+    key = _regen_key(ordered, max_new_tokens, batch_size, temperature, seed)
     shards = ResponseShards(partial_path) if partial_path else None
     done = []
     if partial_path and os.path.isfile(partial_path):  # the older single-file format
@@ -111,10 +115,6 @@ def generate_greedy(
         leave=False,
         disable=os.environ.get("DFLASH_NO_PROGRESS") == "1",
     )
-    # Batches of similar lengths: left padding (and a static cache as long as the longest
-    # prompt) cost little; the responses come back in the prompts' order.
-    order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
-    ordered = [prompts[j] for j in order]
     t0, new_tokens = time.perf_counter(), 0
     for i in range(len(done), len(prompts), batch_size):
         batch = _generate_batch(
@@ -138,13 +138,18 @@ def generate_greedy(
     return out
 
 
-def decoder_name(target, temperature: float) -> str:
-    if temperature <= 0 and target.device.type == "cuda":
-        from .regen import supports_static
+def _static_path(target, temperature: float) -> bool:
+    """Greedy on CUDA with an attention-only target: dflash.regen's graph-replayed decoder
+    (same greedy tokens as `generate`)."""
+    if temperature > 0 or target.device.type != "cuda":
+        return False
+    from .regen import supports_static
 
-        if supports_static(target.model):
-            return "static cache + CUDA graph"
-    return "HF generate"
+    return supports_static(target.model)
+
+
+def decoder_name(target, temperature: float) -> str:
+    return "static cache + CUDA graph" if _static_path(target, temperature) else "HF generate"
 
 
 def _generate_batch(
@@ -157,11 +162,10 @@ def _generate_batch(
         else (tok.eos_token_id if tok is not None else target.mask_token_id)
     )
     eos = tok.eos_token_id if tok is not None else None
-    if temperature <= 0 and target.device.type == "cuda":
-        from .regen import static_greedy_batch, supports_static
+    if _static_path(target, temperature):
+        from .regen import static_greedy_batch
 
-        if supports_static(target.model):  # same greedy tokens, graph-replayed decode steps
-            return static_greedy_batch(target, chunk, max_new_tokens, pad, eos)
+        return static_greedy_batch(target, chunk, max_new_tokens, pad, eos)
     L = max(len(p) for p in chunk)
     ids = torch.full((len(chunk), L), pad, dtype=torch.long)
     att = torch.zeros(len(chunk), L, dtype=torch.long)

@@ -51,8 +51,7 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
     in-process; anything else (torchrun, accelerate launch, or topology=split) runs as one rank of
     a torch.distributed job. The run directory is made only after every check that needs no
     model passed, and removed again if the run fails before it started."""
-    if sys.argv and os.path.basename(sys.argv[0]) == "train.py":
-        start_clock_at_process_start()  # train.time_budget_min counts from the process start
+    start_clock_at_process_start()  # train.time_budget_min counts from the process start
     try:
         rc = typed(cfg)
         rank, world, _ = launcher_env()

@@ -77,13 +77,14 @@ def train_loop(
     )
     stop = StopRequest()
     interrupted = None
+    first = True  # this process's first step: kernels compile there (flex attention, compile)
     with stop:
         while trainer.step < tc.steps:
-            t_first = time.perf_counter() if "perf/target_s" not in last else None
             interrupted, final = _step(
                 cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop
             )
-            if t_first is not None:  # kernels compile on the first step (flex attention, compile)
+            if first:
+                first = False
                 logger.info(
                     f"first step: {last['perf/target_s'] + last['perf/drafter_s']:.1f} s "
                     f"(target {last['perf/target_s']:.1f} s, drafter {last['perf/drafter_s']:.1f} s)"

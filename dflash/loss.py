@@ -111,5 +111,9 @@ def cosine_lr(step: int, total: int, warmup: int, min_ratio: float) -> float:
     """LR multiplier: linear warmup to 1, cosine to min_ratio at `total`."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return cosine_decay((step - warmup) / max(1, total - warmup), min_ratio)
+
+
+def cosine_decay(progress: float, min_ratio: float) -> float:
+    """1 at progress 0, cosine down to min_ratio at progress >= 1."""
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
