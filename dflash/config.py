@@ -161,6 +161,9 @@ class DataConfig:
     too_long: str = "truncate"  # truncate | drop
     regen_batch_size: int = 32  # prompts per regen batch
     regen_temperature: float = 0.0  # 0: greedy responses
+    # Stop regenerating after this many minutes and train on the samples done (prompts are then
+    # regenerated in random groups, so the cut keeps a random subset; null: regenerate all).
+    regen_time_limit_min: float | None = None
     seed: int = 1234  # data and order seed
     cache_dir: str | None = None  # default: <run_dir>/data
     # Pack samples first-fit into rows of this many tokens (None: one sample per row, padded).
@@ -175,6 +178,11 @@ class DataConfig:
                 f"data.paths is empty for data.source={self.source}: set "
                 "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
                 "field), or data=selfgen for the target's own text on random prompts"
+            )
+        if self.regen_time_limit_min is not None and self.regen_time_limit_min <= 0:
+            raise ValueError(
+                f"data.regen_time_limit_min={self.regen_time_limit_min} must be > 0 minutes "
+                "(null: regenerate every prompt)"
             )
         if self.pack_to is not None and self.pack_to < self.max_length:
             raise ValueError(

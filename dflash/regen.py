@@ -11,7 +11,12 @@ cut after their first EOS exactly as data._generate_batch does.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
+
+PACKED_GQA = "dflash_sdpa_packed_gqa"
 
 
 def supports_static(model) -> bool:
@@ -21,6 +26,54 @@ def supports_static(model) -> bool:
     return all(t == "full_attention" for t in types) and not hasattr(
         model.config, "linear_num_key_heads"
     )
+
+
+def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+    """SDPA for one query token with grouped KV heads, without `repeat_kv`: the G query heads that
+    share a KV head become G query rows of that head ([B, Hq, 1, D] -> [B, Hkv, G, D]), so the
+    kernel reads the cache once. transformers < 5.2x copies every layer's whole cache G times per
+    decoded token when a mask is given (a left-padded batch always has one): on a 0.5B target at
+    batch 512 that copy, not the model, bounds the step. Anything else goes to HF's sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    one_mask = attention_mask is None or (
+        attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+    )
+    if query.shape[2] != 1 or groups == 1 or not one_mask or kw.get("position_bias") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kw
+        )
+    B, Hq, _, D = query.shape
+    out = F.scaled_dot_product_attention(
+        query.reshape(B, Hq // groups, groups, D),
+        key,
+        value,
+        attn_mask=attention_mask,  # [B, 1, 1, L]: the same row for every head and group
+        dropout_p=dropout,
+        scale=scaling,
+    )
+    return out.reshape(B, Hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def packed_gqa_decoding(model):
+    """Within: a sdpa model's one-token steps run `packed_gqa_sdpa` (prefill is unchanged)."""
+    cfg = model.config
+    if getattr(cfg, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    # looked up per call, so a test can spy on it
+    AttentionInterface.register(PACKED_GQA, lambda *a, **kw: packed_gqa_sdpa(*a, **kw))
+    AttentionMaskInterface.register(PACKED_GQA, sdpa_mask)
+    cfg._attn_implementation = PACKED_GQA
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = "sdpa"
 
 
 class StaticGreedyDecoder:
@@ -33,6 +86,10 @@ class StaticGreedyDecoder:
 
     @torch.no_grad()
     def run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
+        with packed_gqa_decoding(self.model):
+            return self._run(ids_BP, att_BP, max_new, eos)
+
+    def _run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
         from transformers import StaticCache
 
         model, dev = self.model, ids_BP.device

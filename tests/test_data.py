@@ -264,6 +264,46 @@ def test_regenerated_dataset_is_cached_and_resumed(tmp_path, tiny_llama):
     assert dataset_path(replace(dc, pack_to=64), tc, str(tmp_path)) == path  # packing: same data
 
 
+def test_regen_time_limit_keeps_a_random_subset_of_whole_batches(tmp_path, tiny_llama, monkeypatch):
+    """data.regen_time_limit_min: no batch starts past the limit; the prompts reached are whole
+    seeded random groups (not the shortest prompts), their responses are those of a run
+    without a limit, and the dataset says how many were not reached."""
+    import dflash.data as data_mod
+
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(2, 9, (24,), generator=g).tolist()
+    prompts = [torch.randint(0, 400, (n,), generator=g).tolist() for n in lens]
+    clock = iter(range(1000))  # each read of the clock: one more "second"
+    monkeypatch.setattr(data_mod.time, "perf_counter", lambda: float(next(clock)))
+    # batches start at clock reads 1, 2, ...: a 2.5 s limit lets two batches run
+    out = generate_greedy(tiny_llama, prompts, 4, batch_size=3, time_limit_s=2.5)
+    reached = [j for j, r in enumerate(out) if r is not None]
+    assert len(reached) == 6
+    assert sorted(lens[j] for j in reached) != sorted(lens)[:6]  # not the shortest six
+    solo = generate_greedy(tiny_llama, [prompts[j] for j in reached], 4, batch_size=3)
+    assert [out[j] for j in reached] == solo
+
+    dc = DataConfig(
+        source="selfgen",
+        num_samples=12,
+        prompt_len=4,
+        response_len=3,
+        max_length=16,
+        regen_batch_size=2,
+        regen_time_limit_min=1.5 / 60,
+    )
+    logs = []
+    clock = iter(range(1000))
+    samples = load_or_build_dataset(
+        dc, TargetConfig(name="tiny_llama"), tiny_llama, str(tmp_path), log=logs.append
+    )
+    assert len(samples) == 2
+    assert any("time limit" in m and "after 2 of 12" in m for m in logs)
+    assert any("not_reached_in_time 10" in m for m in logs)
+    with pytest.raises(ValueError, match="regen_time_limit_min"):
+        replace(dc, regen_time_limit_min=0).validate()
+
+
 # ----------------------------------------------------------------------------- packing
 def _samples(target, lengths, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -3,6 +3,7 @@ graph path is in the GPU tier), and datasets/partials round-trip through the sha
 
 import torch
 
+import dflash.regen as regen
 from dflash.batch import Sample
 from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad, supports_static
 from dflash.shards import ResponseShards, pack_samples, unpack_samples
@@ -25,6 +26,43 @@ def test_static_decoder_equals_generate(tiny_llama):
     ref_eos = hf_greedy_batch(tiny_llama, prompts, 20, 0, eos)
     got_eos = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 20, eos), eos)
     assert got_eos == ref_eos and any(len(r) < 20 for r in got_eos)
+
+
+def test_packed_gqa_attention_equals_repeated_kv():
+    """One query token, grouped KV heads, a per-row padding mask: the packed kernel call gives
+    plain SDPA over the repeated cache (what transformers does without packing)."""
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, L, D = 3, 6, 2, 9, 8
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hq, 1), (Hkv, L), (Hkv, L)))
+    mask = torch.rand(B, 1, 1, L, generator=g) > 0.3
+    mask[..., -1] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups = Hq // Hkv
+    got, _ = regen.packed_gqa_sdpa(module, q, k, v, mask, scaling=0.5)
+    rep = Hq // Hkv
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=mask, scale=0.5
+    )
+    torch.testing.assert_close(got, ref.transpose(1, 2))
+
+
+def test_static_decoder_steps_use_packed_gqa(tiny_llama, monkeypatch):
+    """Decode steps of a GQA target go through packed_gqa_sdpa (and still equal generate); the
+    model's attention setting is restored afterwards."""
+    calls = []
+    real = regen.packed_gqa_sdpa
+
+    def spy(module, query, *a, **kw):
+        calls.append(query.shape[2])
+        return real(module, query, *a, **kw)
+
+    monkeypatch.setattr(regen, "packed_gqa_sdpa", spy)
+    prompts = _prompts(4, seed=1)
+    ref = hf_greedy_batch(tiny_llama, prompts, 12, 0, None)
+    ids, att = left_pad(prompts, 0)
+    got = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 12, None), None)
+    assert got == ref
+    assert 1 in calls and tiny_llama.model.config._attn_implementation == "sdpa"
 
 
 def test_hybrid_targets_keep_generate(tiny_qwen, tiny_llama):
