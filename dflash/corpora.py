@@ -147,24 +147,37 @@ def code_corpus(dirs: tuple[str, ...], need: int | None = None, seed: int = 0) -
         random.Random(seed).shuffle(files)
     items: dict[str, None] = {}
     step = 256 if need is not None else max(len(files), 1)
-    for i in range(0, len(files), step):
-        for stubs in _parse_all(files[i : i + step]):
+    for stubs_of_chunk in _parse_chunks(files, step):
+        for stubs in stubs_of_chunk:
             items.update(dict.fromkeys(stubs))
         if need is not None and len(items) >= need:
             break
     return tuple(items)
 
 
-def _parse_all(files: list[str]) -> list[list[str]]:
-    """stdlib_items of every file, over the machine's cores when there are many (site-packages:
-    ~90k stubs from ~15k files, about a minute on one core)."""
+def _parse_chunks(files: list[str], step: int, ahead: int = 2):
+    """stdlib_items of every file, `step` files at a time in file order, over the machine's cores
+    when there are many (site-packages: ~90k stubs from ~15k files, about a minute on one core).
+    One process pool for all chunks, `ahead` chunks in flight: a caller that stops early leaves
+    at most that much parsing behind."""
+    chunks = [files[i : i + step] for i in range(0, len(files), step)]
     workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, 16)
     if len(files) < 200 or workers < 2:
-        return [stdlib_items(f) for f in files]
+        for chunk in chunks:
+            yield [stdlib_items(f) for f in chunk]
+        return
+    from collections import deque
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(workers) as pool:
-        return list(pool.map(stdlib_items, files, chunksize=64))
+    pool = ProcessPoolExecutor(workers)
+    try:
+        pending = deque(pool.map(stdlib_items, c, chunksize=16) for c in chunks[:ahead])
+        for k in range(len(chunks)):
+            if k + ahead < len(chunks):
+                pending.append(pool.map(stdlib_items, chunks[k + ahead], chunksize=16))
+            yield list(pending.popleft())
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _names_humaneval(path: str) -> bool:

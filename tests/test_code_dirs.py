@@ -44,11 +44,14 @@ def test_code_corpus_reads_only_as_many_files_as_it_needs(tmp_path, monkeypatch)
 
     for i in range(600):
         (tmp_path / f"m{i:03d}.py").write_text(MOD.replace("area", f"area{i}"))
+    pooled = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=1)  # all cores
     parsed = []
     real = corpora.stdlib_items
-    monkeypatch.setattr(corpora, "_parse_all", lambda fs: [parsed.append(f) or real(f) for f in fs])
-    some = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=1)
+    monkeypatch.setattr(corpora, "stdlib_items", lambda f: parsed.append(f) or real(f))
+    monkeypatch.setattr(corpora.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    some = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=1)  # one core
     assert 10 <= len(some) == len(parsed) <= 256  # one chunk of files, not all 600
+    assert pooled == some  # the process pool reads the same files in the same order
     again = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=1)
     assert again == some
     other = corpora.code_corpus.__wrapped__((str(tmp_path),), need=10, seed=2)
