@@ -32,7 +32,7 @@ from .comm import (
 from .config import RunConfig
 from .interrupt import Interrupted
 from .preflight import check_run
-from .rundir import RunFinished, plan_run
+from .rundir import RESUME_FILE, RunFinished, plan_run
 from .runlog import RunDir
 from .split.run import run_split
 from .split.schedule import Roles
@@ -69,6 +69,8 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
         sys.exit(EXIT_BAD_INPUT)
     run_dir.open()
     resume_cmd = ResumeCommand(overrides or [], rc, run_dir.path, world)
+    if rank == 0:
+        resume_cmd.save()
     if distributed:
         run_distributed(rc, run_dir, roles, resume_cmd)
         return
@@ -110,6 +112,13 @@ class ResumeCommand:
         # would name a directory to continue in instead
         self.resume = " ".join([self.fresh, shlex.quote(f"resume={run_dir}")])
         self.run_dir = run_dir
+
+    def save(self) -> None:
+        """RUN_DIR/resume_command: what a resume that changes a key of the run points to."""
+        path = os.path.join(self.run_dir, RESUME_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(self.resume + "\n")
+        os.replace(path + ".tmp", path)
 
     def line(self, e: Interrupted | None) -> str:
         if e is None:

@@ -150,7 +150,7 @@ def plan_run(cfg: RunConfig, run_dir: str, named: bool) -> RunPlan:
         if not named:
             run_dir = run_dir_of(ck) or run_dir
     plan = RunPlan(os.path.normpath(run_dir), ck, checkpoint_step(ck))
-    check_same_run(cfg, read_run_config(run_dir_of(ck)), ck)
+    check_same_run(cfg, read_run_config(run_dir_of(ck)), ck, run_dir_of(ck))
     if plan.step >= cfg.train.steps:
         raise RunFinished(
             f"run {plan.run_dir} is finished: its checkpoint {ck} is at step {plan.step} "
@@ -175,8 +175,14 @@ def _safe(key: str) -> bool:
     return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_KEYS)
 
 
-def check_same_run(cfg: RunConfig, saved: dict | None, ckpt: str) -> None:
-    """Refuse to continue a run on other data or another model than it started with."""
+RESUME_FILE = "resume_command"  # the run's resume command line, written by the launcher
+
+
+def check_same_run(
+    cfg: RunConfig, saved: dict | None, ckpt: str, run_dir: str | None = None
+) -> None:
+    """Refuse to continue a run on other data or another model than it started with; the
+    message quotes the run's own resume command when the run dir has one."""
     if saved is None:
         return  # a step directory outside a run: only the drafter's config can be checked
     now = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
@@ -188,6 +194,10 @@ def check_same_run(cfg: RunConfig, saved: dict | None, ckpt: str) -> None:
                 if key in SCHEDULE_KEYS
                 else "set it back, or start a new run (another run_name, without resume)"
             )
+            own = os.path.join(run_dir or "", RESUME_FILE)
+            if key not in SCHEDULE_KEYS and run_dir and os.path.isfile(own):
+                with open(own) as f:
+                    how += f"; this run resumes with: {f.read().strip()}"
             what = "schedule" if key in SCHEDULE_KEYS else "data or model"
             raise ValueError(
                 f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "

@@ -157,6 +157,12 @@ def test_ctrl_c_saves_prints_resume_command_and_it_continues_in_place(tmp_path):
     assert f"run dir: {run_dir}" in log and "step      1 | loss=" in log and lines[0] in log
 
     assert step < 60, "the run finished before the interrupt: the test proves nothing"
+    saved = open(os.path.join(run_dir, "resume_command")).read().strip()
+    assert saved == lines[0].split("resume with: ")[1]
+    # resume=RUN_DIR without the run's overrides changes its data: refused, quoting the command
+    bad = _train([f"out_root={tmp_path}", "train.steps=60", f"resume={run_dir}"])
+    assert bad.returncode == 2 and "data.num_samples changed" in _error_line(bad)
+    assert f"this run resumes with: {saved}" in _error_line(bad)
     r = _train(cmd[2:])  # the printed command as is (a changed schedule would be refused)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"run dir: {run_dir}" in r.stdout
