@@ -161,8 +161,8 @@ class DataConfig:
     too_long: str = "truncate"  # truncate | drop
     regen_batch_size: int = 32  # prompts per regen batch
     regen_temperature: float = 0.0  # 0: greedy responses
-    # Stop regenerating after this many minutes and train on the samples done (prompts are then
-    # regenerated in random groups, so the cut keeps a random subset; null: regenerate all).
+    # Stop regenerating after this many minutes and train on the samples done (batches go in a
+    # seeded random order, so the cut keeps a random subset; null: regenerate all).
     regen_time_limit_min: float | None = None
     seed: int = 1234  # data and order seed
     cache_dir: str | None = None  # default: <run_dir>/data

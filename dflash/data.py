@@ -97,11 +97,10 @@ def generate_greedy(
     gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds).
 
     time_limit_s: no new batch starts after that many seconds (of this call); the prompts not
-    reached get None. Prompts then go in seeded random groups of REGEN_GROUP batches, sorted
-    by length within a group, so the prompts reached are a random subset, not the shortest."""
+    reached get None (a random subset of the batches is reached, see _regen_order)."""
     # Batches of similar lengths: left padding (and a static cache as long as the longest
     # prompt) cost little; the responses come back in the prompts' order.
-    order = _regen_order(prompts, batch_size, seed, grouped=time_limit_s is not None)
+    order = _regen_order(prompts, batch_size, seed)
     ordered = [prompts[j] for j in order]
     key = _regen_key(ordered, max_new_tokens, batch_size, temperature, seed)
     shards = ResponseShards(partial_path) if partial_path else None
@@ -150,21 +149,14 @@ def generate_greedy(
     return out
 
 
-REGEN_GROUP = 4  # batches per random group when regeneration has a time limit
-
-
-def _regen_order(prompts: list[list[int]], batch_size: int, seed: int, grouped: bool) -> list[int]:
-    """Prompt indices in regeneration order: by length; grouped: seeded random groups of
-    REGEN_GROUP batches, by length within each group."""
-    if not grouped:
-        return sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
-    perm = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(seed)).tolist()
-    g = REGEN_GROUP * batch_size
-    return [
-        j
-        for s in range(0, len(perm), g)
-        for j in sorted(perm[s : s + g], key=lambda j: len(prompts[j]))
-    ]
+def _regen_order(prompts: list[list[int]], batch_size: int, seed: int) -> list[int]:
+    """Prompt indices in regeneration order: batches of prompts of similar length (sorted, then
+    cut), the batches in a seeded random order, so a regeneration cut short by its time limit
+    has a random subset of the prompts, not the shortest ones."""
+    by_len = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    batches = [by_len[i : i + batch_size] for i in range(0, len(by_len), batch_size)]
+    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [j for b in perm for j in batches[b]]
 
 
 def _static_path(target, temperature: float) -> bool:
