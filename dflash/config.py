@@ -179,11 +179,9 @@ class DataConfig:
                 "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
                 "field), or data=selfgen for the target's own text on random prompts"
             )
-        if self.regen_time_limit_min is not None and self.regen_time_limit_min <= 0:
-            raise ValueError(
-                f"data.regen_time_limit_min={self.regen_time_limit_min} must be > 0 minutes "
-                "(null: regenerate every prompt)"
-            )
+        _check_positive(
+            "data.regen_time_limit_min", self.regen_time_limit_min, " minutes (null: all)"
+        )
         if self.pack_to is not None and self.pack_to < self.max_length:
             raise ValueError(
                 f"data.pack_to={self.pack_to} is shorter than data.max_length="
@@ -239,26 +237,12 @@ class TrainConfig:
                 "acceptance). Hard CE is the default; to train soft KL anyway, also set "
                 "train.allow_soft_loss=true (it is logged)."
             )
-        if self.gamma is not None and not self.gamma > 0:
-            raise ValueError(
-                f"train.gamma must be > 0 (position weights exp(-(k-1)/gamma)); got {self.gamma}"
-            )
-        if self.time_budget_min is not None and not self.time_budget_min > 0:
-            raise ValueError(
-                f"train.time_budget_min must be > 0 minutes, got {self.time_budget_min}"
-            )
+        _check_positive("train.gamma", self.gamma, " (position weights exp(-(k-1)/gamma))")
+        _check_positive("train.time_budget_min", self.time_budget_min, " minutes")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas must have two values, got {list(self.betas)}")
-        for key in (
-            "steps",
-            "micro_batch_size",
-            "grad_accum",
-            "max_anchors",
-            "log_every",
-            "eval_every",
-            "save_every",
-            "lm_head_chunk",
-        ):
+        at_least_one = "steps micro_batch_size grad_accum max_anchors log_every eval_every"
+        for key in (at_least_one + " save_every lm_head_chunk").split():
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
 
@@ -367,6 +351,12 @@ class RunConfig:
         for name in _GROUPS:
             getattr(self, name).validate()
         return self
+
+
+def _check_positive(name: str, value, what: str = "") -> None:
+    """An optional number that must be > 0 when set."""
+    if value is not None and not value > 0:
+        raise ValueError(f"{name} must be > 0{what}, got {value}")
 
 
 def _check_choice(key: str, value: Any, allowed: tuple) -> None:
