@@ -27,6 +27,15 @@ def run_config_of(ckpt: str) -> dict | None:
     return None
 
 
+def _run_caches(ckpt: str, prev: dict | None) -> tuple[str, ...]:
+    """The data cache of the run a checkpoint belongs to: its eval set is reused when this eval
+    asks for the same one (same key), so eval.py scores the prompts the in-loop eval scored."""
+    if prev is None:
+        return ()
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    return (prev.get("data", {}).get("cache_dir") or os.path.join(run_dir, "data"),)
+
+
 def eval_dir(rc: RunConfig, root: str = "evals") -> str:
     """evals/<run>-<step> for our checkpoints (<run>/checkpoints/step_*), evals/<dir name> for a
     published one; checked here so that a bad ckpt leaves no directory behind."""
@@ -97,7 +106,12 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         )
     target = _target_for(rc, spec)
     items = build_eval_set(
-        rc, target, os.path.join(out_dir, "data"), log=print, exclude_training=prev is not None
+        rc,
+        target,
+        os.path.join(out_dir, "data"),
+        log=print,
+        exclude_training=prev is not None,
+        read_dirs=_run_caches(rc.ckpt, prev),
     )
     dev = target.device
     drafter = drafter.to(dev)

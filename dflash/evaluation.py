@@ -26,8 +26,16 @@ from .drafter import DFlashDrafter
 from .metrics import evaluate_prompt, summarize
 from .sampling import expected_accepted, overlap, warp
 
-# evaluation-time only: not in the cache key
-SAMPLING_KEYS = ("temperatures", "top_p", "top_k", "real_decode_prompts", "decode_tree_budgets")
+# evaluation-time only, or display: not in the cache key
+NOT_IN_KEY = (
+    "temperatures",
+    "top_p",
+    "top_k",
+    "real_decode_prompts",
+    "decode_tree_budgets",
+    "show_rounds",
+    "enabled",
+)
 
 
 @dataclass
@@ -125,13 +133,20 @@ def heldout_text_prompts(cfg, exclude_training: bool = True) -> list:
 
 
 def build_eval_set(
-    cfg, target, cache_dir: str | None, log=print, exclude_training: bool = True
+    cfg,
+    target,
+    cache_dir: str | None,
+    log=print,
+    exclude_training: bool = True,
+    read_dirs: tuple[str, ...] = (),
 ) -> list[EvalItem]:
+    """The cached eval set of this config from cache_dir or read_dirs (eval.py: the run's own
+    cache, where the in-loop eval left it), else built and saved in cache_dir."""
     key = json.dumps(
         {
             "format": 2,  # items carry final_LH
             "exclude_training": exclude_training,
-            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in SAMPLING_KEYS},
+            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
             "data": vars(cfg.data),
             "target": vars(cfg.target),
             "layers": target.layer_ids,
@@ -139,16 +154,16 @@ def build_eval_set(
         sort_keys=True,
         default=str,
     )
+    name = f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    for d in (cache_dir, *read_dirs):
+        if d and os.path.exists(os.path.join(d, name)):
+            items = load_eval_set(os.path.join(d, name))
+            log(f"eval: {len(items)} prompts from cache {os.path.join(d, name)}")
+            return items
     path = None
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        path = os.path.join(
-            cache_dir, f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
-        )
-        if os.path.exists(path):
-            items = load_eval_set(path)
-            log(f"eval: {len(items)} prompts from cache {path}")
-            return items
+        path = os.path.join(cache_dir, name)
     t0 = time.perf_counter()
     prompts = eval_prompts(cfg, target, exclude_training)
     comps = generate_greedy(

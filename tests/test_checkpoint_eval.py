@@ -156,6 +156,7 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "eval (but eval.show_rounds)" in r.stdout
+    assert f"prompts from cache {run_dir}/data/eval-" in r.stdout  # the run's own eval set
     assert "Detected fc input: 384 = 3 target layers" in r.stdout
     assert "per prompt" in r.stdout and "summary" in r.stdout
     rep = json.load(open(out))

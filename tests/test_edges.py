@@ -177,8 +177,8 @@ def test_eval_cli_treats_a_checkpoint_without_run_config_as_published(tmp_path, 
     class Stop(Exception):
         pass
 
-    def fake_build(rc, target, cache_dir, log=print, exclude_training=True):
-        seen["exclude_training"] = exclude_training
+    def fake_build(rc, target, cache_dir, log=print, exclude_training=True, read_dirs=()):
+        seen["exclude_training"], seen["read_dirs"] = exclude_training, read_dirs
         raise Stop
 
     monkeypatch.setattr(ec, "build_eval_set", fake_build)
@@ -186,7 +186,7 @@ def test_eval_cli_treats_a_checkpoint_without_run_config_as_published(tmp_path, 
     rc = _compose(tmp_path, [f"ckpt={tmp_path / 'pub'}"])
     with pytest.raises(Stop):
         ec.run_eval(rc, str(tmp_path / "out"), [])
-    assert seen == {"exclude_training": False}
+    assert seen == {"exclude_training": False, "read_dirs": ()}  # no run: no run cache
 
 
 def test_resume_restores_only_this_devices_cuda_rng(monkeypatch):
