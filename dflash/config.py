@@ -107,6 +107,8 @@ class DrafterConfig:
     hidden_act: str = "silu"  # MLP activation
     init_std: float = 0.02  # init std of weights
     init_norm_from_target: bool = False  # final norm starts at the target's gain (else ones)
+    # Drafter layer i starts as a copy of target layer ids[i] (negative: from the end; same widths)
+    init_layers_from_target: list[int] | None = None
     # Initialise from an existing drafter checkpoint directory (serving format).
     init_from: str | None = None
 

@@ -17,6 +17,7 @@ from .evaluation import Evaluator
 from .loggers import Logger, make_logger
 from .shape import Heads, TargetShape
 from .trainer import DrafterTrainer
+from .warmstart import copy_target_layers
 
 
 @dataclass
@@ -47,6 +48,15 @@ class Session:
                 )
             with torch.no_grad():  # a resumed run then loads its own weights over it
                 self.drafter.norm.weight.copy_(gain())
+        if cfg.drafter.init_layers_from_target and not cfg.drafter.init_from:
+            if not hasattr(target, "decoder_layers"):
+                raise ValueError(
+                    "drafter.init_layers_from_target needs the target's layers, which split "
+                    "trainer ranks do not load; use topology=colocated or drop the option"
+                )
+            self.logger.info(
+                copy_target_layers(self.drafter, target, cfg.drafter.init_layers_from_target)
+            )
         trainer = DrafterTrainer(
             self.drafter,
             Heads(target.embed_tokens, target.lm_head),

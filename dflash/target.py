@@ -295,9 +295,9 @@ class Target(nn.Module):
     def final_norm_gain(self) -> torch.Tensor:
         """The final norm's per-channel gain (fp32, host): its output for a unit-RMS input of
         ones, whatever its parametrisation (`w`, or `1 + w` in Qwen3.5's zero-centred norm)."""
-        x = torch.ones(1, self.hidden_size, device=self.device, dtype=torch.float32)
-        norm = self.model.get_decoder().norm
-        return norm(x.to(norm.weight.dtype))[0].float().cpu()
+        from .warmstart import norm_gain
+
+        return norm_gain(self.model.get_decoder().norm, self.hidden_size)
 
     def decoder_layers(self) -> nn.ModuleList:
         return self.model.get_decoder().layers
