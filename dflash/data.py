@@ -154,9 +154,10 @@ def _regen_order(prompts: list[list[int]], batch_size: int, seed: int) -> list[i
     cut), the batches in a seeded random order, so a regeneration cut short by its time limit
     has a random subset of the prompts, not the shortest ones."""
     by_len = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
-    batches = [by_len[i : i + batch_size] for i in range(0, len(by_len), batch_size)]
-    perm = torch.randperm(len(batches), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [j for b in perm for j in batches[b]]
+    full = len(by_len) // batch_size  # a short last batch stays last: batches are cut every
+    batches = [by_len[i * batch_size : (i + 1) * batch_size] for i in range(full)]  # batch_size
+    perm = torch.randperm(full, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [j for b in perm for j in batches[b]] + by_len[full * batch_size :]
 
 
 def _static_path(target, temperature: float) -> bool:
