@@ -11,6 +11,7 @@ from .config import DataConfig, EvalConfig, RunConfig, TargetConfig
 from .decode_eval import decode_report
 from .evaluation import build_eval_set, evaluate
 from .report import print_report, write_json
+from .rundir import run_dir_of
 from .shape import Heads
 from .target import load_target
 
@@ -32,7 +33,7 @@ def _run_caches(ckpt: str, prev: dict | None) -> tuple[str, ...]:
     asks for the same one (same key), so eval.py scores the prompts the in-loop eval scored."""
     if prev is None:
         return ()
-    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt)))
+    run_dir = run_dir_of(ckpt) or ckpt  # or a step dir holding its own run_config.json
     return (prev.get("data", {}).get("cache_dir") or os.path.join(run_dir, "data"),)
 
 

@@ -17,7 +17,7 @@ from .evaluation import Evaluator
 from .loggers import Logger, make_logger
 from .shape import Heads, TargetShape
 from .trainer import DrafterTrainer
-from .warmstart import copy_target_layers
+from .warmstart import warm_start
 
 
 @dataclass
@@ -39,24 +39,7 @@ class Session:
             evaluator = Evaluator.from_config(
                 cfg, target, data_cache(cfg, self.run_dir), log=self.logger.info
             )
-        if cfg.drafter.init_norm_from_target and not cfg.drafter.init_from:
-            gain = getattr(target, "final_norm_gain", None)
-            if gain is None:
-                raise ValueError(
-                    "drafter.init_norm_from_target needs the target's final norm, which split "
-                    "trainer ranks do not load; use topology=colocated or drop the option"
-                )
-            with torch.no_grad():  # a resumed run then loads its own weights over it
-                self.drafter.norm.weight.copy_(gain())
-        if cfg.drafter.init_layers_from_target and not cfg.drafter.init_from:
-            if not hasattr(target, "decoder_layers"):
-                raise ValueError(
-                    "drafter.init_layers_from_target needs the target's layers, which split "
-                    "trainer ranks do not load; use topology=colocated or drop the option"
-                )
-            self.logger.info(
-                copy_target_layers(self.drafter, target, cfg.drafter.init_layers_from_target)
-            )
+        warm_start(self.drafter, target, cfg.drafter, self.logger.info)
         trainer = DrafterTrainer(
             self.drafter,
             Heads(target.embed_tokens, target.lm_head),

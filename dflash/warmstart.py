@@ -17,6 +17,27 @@ _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
 _NORMS = ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 
 
+def warm_start(drafter: nn.Module, target, dcfg, log) -> None:
+    """Apply drafter.init_norm_from_target / init_layers_from_target (skipped with
+    drafter.init_from, whose weights replace them; a resumed run loads its own over them)."""
+    if dcfg.init_from:
+        return
+    for option, needs, what in (
+        ("init_norm_from_target", "final_norm_gain", "final norm"),
+        ("init_layers_from_target", "decoder_layers", "layers"),
+    ):
+        if getattr(dcfg, option) and not hasattr(target, needs):
+            raise ValueError(
+                f"drafter.{option} needs the target's {what}, which split trainer ranks do not "
+                "load; use topology=colocated or drop the option"
+            )
+    if dcfg.init_norm_from_target:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(target.final_norm_gain())
+    if dcfg.init_layers_from_target:
+        log(copy_target_layers(drafter, target, dcfg.init_layers_from_target))
+
+
 def norm_gain(norm: nn.Module, dim: int) -> torch.Tensor:
     """A norm's per-channel gain (fp32, host): its output for a unit-RMS input of ones, whatever
     its parametrisation (`w`, or `1 + w` in Qwen3.5's zero-centred norm)."""
