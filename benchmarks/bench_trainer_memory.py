@@ -3,14 +3,17 @@ outputs (no target model): ddp vs deepspeed ZeRO-1/2/3 vs fsdp.
 
   python benchmarks/bench_trainer_memory.py --shape qwen3_6_27b --seq 2048 --anchors 256 --ranks 8
 
-Each mode runs in its own process as a world of one rank on this machine's GPU (on CPU, e.g.
---shape tiny, only the analytic figures are printed: it checks that every mode runs): the
-measured figures are the peak memory of two training steps and the memory held
-between steps (weights + gradients + optimizer state + the frozen embedding/lm_head). With one
-rank nothing can be sharded, so the measured figures are the same for every mode up to each
-library's buffers; the sharding shows in the analytic per-rank bytes for --ranks N:
-weights 4P, gradients 4P and AdamW 8P (fp32, P drafter parameters) divided over the ranks as
-each mode shards them, plus the frozen heads every trainer holds.
+Each mode runs in its own process as rank 0 of a world of --ranks N on this machine's one GPU:
+the process group is torch's "fake" backend (collectives return at once, nothing is sent), so
+DeepSpeed and FSDP partition for N ranks and allocate exactly rank 0's shards, buffers and
+activations: the measured figures are what one rank of N holds, without N GPUs. The numbers the
+fake collectives leave in the tensors are not meaningful; the allocations are. --ranks 1 runs a
+real world of one (nccl/gloo), and so does ddp, which replicates everything. On CPU (e.g. --shape tiny) only the analytic figures are
+printed: it checks that every mode runs. Measured: the peak memory of two training steps and
+the memory held between steps (weights + gradients + optimizer state + the frozen
+embedding/lm_head). Analytic, for --ranks N: weights 4P, gradients 4P and AdamW 8P (fp32, P
+drafter parameters) divided over the ranks as each mode shards them, plus the frozen heads
+every trainer holds.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -50,20 +54,29 @@ def run_mode(args) -> dict:
 
     dist_mode, stage, _ = MODES[args.mode]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    # DDP replicates everything, so one rank of N holds what a world of one holds (its C++
+    # reducer also needs real collectives): DDP always runs as a real world of one.
+    world = 1 if dist_mode == "ddp" else args.ranks
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(args.port),
         RANK="0",
-        WORLD_SIZE="1",
+        WORLD_SIZE=str(world),
         LOCAL_RANK="0",
     )
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    if world > 1:  # rank 0 of `world`: the libraries shard for `world`, nothing is sent
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    else:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
     spec, H, V = drafter_spec(args.shape)
-    drafter = DFlashDrafter(spec)
-    drafter.init_weights(0.02)
     tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    embed = torch.nn.Embedding(V, H).to(dev, tdtype).requires_grad_(False)
-    lm_head = torch.nn.Linear(H, V, bias=False).to(dev, tdtype).requires_grad_(False)
+    with torch.device(dev):  # built and initialised where it trains (1.7B on a host CPU: minutes)
+        drafter = DFlashDrafter(spec)
+        drafter.init_weights(0.02)
+        embed = torch.nn.Embedding(V, H, dtype=tdtype).requires_grad_(False)
+        lm_head = torch.nn.Linear(H, V, bias=False, dtype=tdtype).requires_grad_(False)
     cfg = TrainConfig(max_anchors=args.anchors, steps=100, dist=dist_mode, zero_stage=stage)
     tr = DrafterTrainer(drafter, Heads(embed, lm_head), cfg, dev, dp_group=dist.group.WORLD)
     N, T, F = 1, args.seq, spec.num_aux * H
@@ -86,10 +99,11 @@ def run_mode(args) -> dict:
     res = {
         "mode": args.mode,
         "drafter_params_M": P_ / 1e6,
-        "measured_peak_gib_1rank": torch.cuda.max_memory_allocated() / GIB
+        "world": world,
+        "measured_peak_gib_per_rank": torch.cuda.max_memory_allocated() / GIB
         if dev.type == "cuda"
         else None,
-        "measured_held_gib_1rank": torch.cuda.memory_allocated() / GIB
+        "measured_held_gib_per_rank": torch.cuda.memory_allocated() / GIB
         if dev.type == "cuda"
         else None,
         f"analytic_gib_per_rank_at_{args.ranks}": analytic_bytes(
@@ -160,6 +174,7 @@ def main() -> None:
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29561)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per mode")
     ap.add_argument("--analytic-only", action="store_true", help="no training: the formula only")
     args = ap.parse_args()
     if args.analytic_only:
@@ -182,22 +197,21 @@ def main() -> None:
             "--ranks",
             str(args.ranks),
         ]
-        r = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            env={
-                **os.environ,
-                "DS_ACCELERATOR": os.environ.get(
-                    "DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu"
-                ),
-            },
-        )
-        line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
-        if r.returncode != 0 or not line:
-            rows.append({"mode": mode, "error": (r.stderr.strip().splitlines() or ["?"])[-1][:300]})
+        env = {**os.environ}
+        env.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        except subprocess.TimeoutExpired:
+            rows.append({"mode": mode, "error": f"timed out after {args.timeout} s (--timeout)"})
         else:
-            rows.append(json.loads(line[0][7:]))
+            line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+            if r.returncode != 0 or not line:
+                err = (r.stderr.strip().splitlines() or ["?"])[-1][:300]
+                rows.append({"mode": mode, "error": err})
+            else:
+                rows.append(json.loads(line[0][7:]))
+        rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -21,6 +21,7 @@ from torch import nn
 
 from .config import TrainConfig
 from .drafter import DFlashDrafter
+from .target import resolve_dtype
 
 DIST_MODES = ("ddp", "fsdp", "deepspeed")
 
@@ -130,6 +131,16 @@ class DeepSpeed(Parallel):
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
         }
+        dtype = resolve_dtype(cfg.dtype, device)
+        if dtype != torch.float32:
+            # The engine's forward turns an outer torch.autocast off unless its own torch_autocast
+            # is on: the fp32 drafter would then meet the bf16 target features. No module is
+            # named lower-precision-safe, so gradients are still reduced in fp32 (as DDP does).
+            ds_config["torch_autocast"] = {
+                "enabled": True,
+                "dtype": {torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
+                "lower_precision_safe_modules": [],
+            }
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=drafter, optimizer=self.optimizer, config=ds_config, dist_init_required=False
         )

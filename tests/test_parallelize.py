@@ -114,3 +114,87 @@ def _train_zero_steps():
     from conftest import get_target, make_drafter
 
     return make_drafter(get_target("tiny_qwen3_5")).state_dict()
+
+
+def _bf16_rank(rank, port, out_dir):
+    """One rank: the DeepSpeed trainer with bf16 autocast (the GPU setting) against the plain
+    trainer, both in bf16 compute with fp32 master weights."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        DS_ACCELERATOR="cpu",
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from conftest import get_target, make_drafter
+
+    from dflash.config import TrainConfig
+    from dflash.shape import Heads
+    from dflash.trainer import DrafterTrainer
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    target = get_target("tiny_qwen3_5")
+    micro = _micro(target, 0, 1)
+    out = {}
+    for mode, stage, group in [
+        ("ddp", 1, None),
+        ("deepspeed", 1, dist.group.WORLD),
+        ("deepspeed", 3, dist.group.WORLD),
+    ]:
+        cfg = TrainConfig(
+            steps=10,
+            max_anchors=6,
+            lr=1e-2,
+            grad_accum=2,
+            dist=mode,
+            zero_stage=stage,
+            micro_batch_size=4,
+            dtype="bfloat16",
+        )
+        tr = DrafterTrainer(
+            make_drafter(target),
+            Heads(target.embed_tokens, target.lm_head),
+            cfg,
+            torch.device("cpu"),
+            dp_group=group,
+        )
+        assert tr.dtype == torch.bfloat16
+        if mode == "deepspeed":  # the engine keeps the autocast on (on CPU it never turns it
+            # off: it checks the CUDA autocast state; on the GPU it did), grads reduced in fp32
+            eng = tr.par.engine
+            assert eng.torch_autocast_enabled() and eng.torch_autocast_dtype() == torch.bfloat16
+            assert eng.torch_autocast_lower_precision_safe_modules() == []
+        losses = [tr.train_step(m)["train/loss"] for m in micro]
+        out[f"{mode}{stage}"] = (
+            losses,
+            {k: v.detach().clone() for k, v in tr.drafter_for_io().state_dict().items()},
+        )
+    torch.save(out, os.path.join(out_dir, "bf16.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_deepspeed_trains_under_bf16_autocast_like_the_plain_trainer(tmp_path):
+    """DeepSpeed's engine turns an outer CUDA torch.autocast off unless its own torch_autocast is
+    on: without it the fp32 drafter met the bf16 features on the H200 ('expected mat1 and mat2 to
+    have the same dtype'). Here: the engine's autocast is configured, and the bf16 DeepSpeed
+    trainer trains as the plain one does."""
+    if not _has_deepspeed():
+        pytest.skip("deepspeed not installed (pip install 'dflash[deepspeed]')")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_bf16_rank, args=(port, str(tmp_path)), nprocs=1, join=True)
+    got = torch.load(tmp_path / "bf16.pt")
+    ref_losses, ref = got.pop("ddp1")
+    start = _train_zero_steps()
+    for name, (losses, weights) in got.items():
+        torch.testing.assert_close(losses, ref_losses, atol=1e-3, rtol=1e-3, msg=name)
+        # bf16 rounding differs in order, and Adam turns near-zero gradients into lr-sized
+        # steps: compare the weight updates as a whole, not elementwise
+        diff = sum((weights[k].float() - ref[k].float()).pow(2).sum() for k in ref).sqrt()
+        update = sum((ref[k].float() - start[k].float()).pow(2).sum() for k in ref).sqrt()
+        assert diff / update < 0.05, f"{name}: update differs by {diff / update:.3f} of its norm"
