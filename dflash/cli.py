@@ -48,6 +48,13 @@ def setup() -> None:
         from .help import render_help
 
         OmegaConf.register_new_resolver("dflash_help", render_help)
+    if os.path.basename(sys.argv[0]) == "train.py":
+        from .config import RunConfig
+        from .rundir import with_run_overrides
+
+        sys.argv[1:], restored = with_run_overrides(sys.argv[1:], RunConfig().out_root)
+        if restored:
+            print("resume: with the run's own overrides: " + " ".join(restored), flush=True)
     if os.path.basename(sys.argv[0]) in ("train.py", "eval.py"):
         try:
             check_argv(sys.argv[1:])

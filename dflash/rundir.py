@@ -15,6 +15,7 @@ import dataclasses
 import glob
 import json
 import os
+import shlex
 from dataclasses import dataclass
 
 from .checkpoint import find_checkpoint
@@ -176,6 +177,47 @@ def _safe(key: str) -> bool:
 
 
 RESUME_FILE = "resume_command"  # the run's resume command line, written by the launcher
+
+
+def _override_key(token: str) -> str | None:
+    """The key a command-line override sets (`+exp=x` -> exp), None for a flag such as -m."""
+    if "=" not in token or token.startswith("-"):
+        return None
+    return token.lstrip("+~").split("=", 1)[0]
+
+
+def with_run_overrides(argv: list[str], default_out_root: str = "outputs") -> tuple[list, list]:
+    """`train.py resume=RUN_DIR` (or a checkpoint of the run, or `resume=true run_name=NAME`)
+    continues the run with the overrides it was started with: those of RUN_DIR/resume_command
+    that this command line does not set again come first, so `resume=RUN_DIR` alone composes
+    the run's own config (and a key given again, e.g. a longer budget, wins). Returns the
+    command line to compose and the overrides taken from the run ([] when there are none)."""
+    given = {k: t for t in argv if (k := _override_key(t)) is not None}
+    resume = given.get("resume", "resume=").split("=", 1)[1]
+    if resume.lower() in ("", "false", "none", "null"):
+        return argv, []
+    if resume.lower() == "true":
+        if "run_name" not in given:
+            return argv, []
+        out_root = given.get("out_root", f"out_root={default_out_root}").split("=", 1)[1]
+        run_dir = os.path.join(out_root, given["run_name"].split("=", 1)[1])
+    else:
+        path = resume.rstrip("/")
+        run_dir = path if os.path.isfile(os.path.join(path, RESUME_FILE)) else run_dir_of(path)
+    own = os.path.join(run_dir or "", RESUME_FILE)
+    if not run_dir or not os.path.isfile(own):
+        return argv, []
+    with open(own) as f:
+        tokens = shlex.split(f.read())
+    start = next((i + 1 for i, t in enumerate(tokens) if t.endswith("train.py")), len(tokens))
+    restored = [
+        t
+        for t in tokens[start:]
+        if (k := _override_key(t)) is not None
+        and k not in given
+        and k not in ("resume", "run_name")
+    ]
+    return restored + list(argv), restored
 
 
 def check_same_run(

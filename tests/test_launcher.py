@@ -159,12 +159,16 @@ def test_ctrl_c_saves_prints_resume_command_and_it_continues_in_place(tmp_path):
     assert step < 60, "the run finished before the interrupt: the test proves nothing"
     saved = open(os.path.join(run_dir, "resume_command")).read().strip()
     assert saved == lines[0].split("resume with: ")[1]
-    # resume=RUN_DIR without the run's overrides changes its data: refused, quoting the command
-    bad = _train([f"out_root={tmp_path}", "train.steps=60", f"resume={run_dir}"])
+    # a resume that changes the run's data is refused, quoting the run's command
+    bad = _train([f"resume={run_dir}", "data.num_samples=7"])
     assert bad.returncode == 2 and "data.num_samples changed" in _error_line(bad)
     assert f"this run resumes with: {saved}" in _error_line(bad)
-    r = _train(cmd[2:])  # the printed command as is (a changed schedule would be refused)
+    # resume=RUN_DIR alone: the run's own overrides come back from its resume_command (the
+    # printed command, with all of them, is the same run)
+    r = _train([f"resume={run_dir}"])
     assert r.returncode == 0, r.stderr[-3000:]
+    restored = " ".join(o for o in cmd[2:] if not o.startswith("resume="))
+    assert f"resume: with the run's own overrides: {restored}" in r.stdout
     assert f"run dir: {run_dir}" in r.stdout
     assert f"resumed from {run_dir}/checkpoints/step_{step:08d} at step {step}" in r.stdout
     assert f"step {step + 1:>6d} | loss=" in r.stdout

@@ -166,3 +166,44 @@ def test_new_run_into_a_dir_with_checkpoints_is_refused(tiny_qwen, tmp_path):
     fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r")
     with pytest.raises(ValueError, match="resume=true"):
         plan_run(typed(tmp_path, "run_name=r"), str(tmp_path / "r"), named=True)
+
+
+def test_resume_of_a_run_dir_restores_the_overrides_it_started_with(tmp_path):
+    """`train.py resume=RUN_DIR` alone composes the run's own config: the overrides saved in
+    RUN_DIR/resume_command come first, and a key given again on the command line wins."""
+    from dflash.rundir import RESUME_FILE, with_run_overrides
+
+    run = tmp_path / "out" / "main"
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / RESUME_FILE).write_text(
+        f"python train.py +exp=qwen05_coder 'train.time_budget_min=17' out_root={tmp_path}/out "
+        f"'drafter.init_layers_from_target=[-2, -1]' resume={run}\n"
+    )
+    saved = [
+        "+exp=qwen05_coder",
+        "train.time_budget_min=17",
+        f"out_root={tmp_path}/out",
+        "drafter.init_layers_from_target=[-2, -1]",
+    ]
+    argv, restored = with_run_overrides([f"resume={run}"])
+    assert restored == saved and argv == saved + [f"resume={run}"]
+    # a checkpoint of the run, and a key given again (the budget) wins over the saved one
+    ck = f"resume={run}/checkpoints/step_00000010"
+    argv, restored = with_run_overrides([ck, "train.time_budget_min=25"])
+    assert "train.time_budget_min=17" not in argv and argv[-2:] == [ck, "train.time_budget_min=25"]
+    assert restored == [saved[0], *saved[2:]]
+    # resume=true run_name=NAME (with the out_root it names)
+    argv, restored = with_run_overrides(
+        ["resume=true", "run_name=main", f"out_root={tmp_path}/out"]
+    )
+    assert restored == [saved[0], saved[1], saved[3]]
+    # nothing to restore: not a resume, no such run, or a run dir without the file
+    for args in (["train.steps=5"], ["resume=false"], [f"resume={tmp_path}/none"], ["resume=true"]):
+        assert with_run_overrides(args) == (args, [])
+    (run / RESUME_FILE).unlink()
+    assert with_run_overrides([f"resume={run}"]) == ([f"resume={run}"], [])
+    # torchrun's command line
+    (run / RESUME_FILE).write_text(
+        f"torchrun --nproc-per-node 2 train.py topology=split resume={run}\n"
+    )
+    assert with_run_overrides([f"resume={run}"])[1] == ["topology=split"]
