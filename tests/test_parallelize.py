@@ -30,14 +30,13 @@ def _micro(target, rank, world):
     return out
 
 
-def _train(mode, stage, rank, world, group):
-    from conftest import get_target, make_drafter
+def _trainer(target, mode, stage, world, group, dtype="float32"):
+    from conftest import make_drafter
 
     from dflash.config import TrainConfig
     from dflash.shape import Heads
     from dflash.trainer import DrafterTrainer
 
-    target = get_target("tiny_qwen3_5")
     cfg = TrainConfig(
         steps=10,
         max_anchors=6,
@@ -46,17 +45,29 @@ def _train(mode, stage, rank, world, group):
         dist=mode,
         zero_stage=stage,
         micro_batch_size=4 // world,
+        dtype=dtype,
     )
-    tr = DrafterTrainer(
+    return DrafterTrainer(
         make_drafter(target),
         Heads(target.embed_tokens, target.lm_head),
         cfg,
         torch.device("cpu"),
         dp_group=group,
     )
+
+
+def _weights(tr) -> dict:
+    return {k: v.detach().clone() for k, v in tr.drafter_for_io().state_dict().items()}
+
+
+def _train(mode, stage, rank, world, group):
+    from conftest import get_target
+
+    target = get_target("tiny_qwen3_5")
+    tr = _trainer(target, mode, stage, world, group)
     for micro in _micro(target, rank, world):
         tr.train_step(micro)
-    return {k: v.detach().clone() for k, v in tr.drafter_for_io().state_dict().items()}
+    return _weights(tr)
 
 
 def _rank(rank, world, port, out_dir):
@@ -129,11 +140,7 @@ def _bf16_rank(rank, port, out_dir):
     )
     torch.set_num_threads(1)
     import torch.distributed as dist
-    from conftest import get_target, make_drafter
-
-    from dflash.config import TrainConfig
-    from dflash.shape import Heads
-    from dflash.trainer import DrafterTrainer
+    from conftest import get_target
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     target = get_target("tiny_qwen3_5")
@@ -144,23 +151,7 @@ def _bf16_rank(rank, port, out_dir):
         ("deepspeed", 1, dist.group.WORLD),
         ("deepspeed", 3, dist.group.WORLD),
     ]:
-        cfg = TrainConfig(
-            steps=10,
-            max_anchors=6,
-            lr=1e-2,
-            grad_accum=2,
-            dist=mode,
-            zero_stage=stage,
-            micro_batch_size=4,
-            dtype="bfloat16",
-        )
-        tr = DrafterTrainer(
-            make_drafter(target),
-            Heads(target.embed_tokens, target.lm_head),
-            cfg,
-            torch.device("cpu"),
-            dp_group=group,
-        )
+        tr = _trainer(target, mode, stage, 1, group, dtype="bfloat16")
         assert tr.dtype == torch.bfloat16
         if mode == "deepspeed":  # the engine keeps the autocast on (on CPU it never turns it
             # off: it checks the CUDA autocast state; on the GPU it did), grads reduced in fp32
@@ -168,10 +159,7 @@ def _bf16_rank(rank, port, out_dir):
             assert eng.torch_autocast_enabled() and eng.torch_autocast_dtype() == torch.bfloat16
             assert eng.torch_autocast_lower_precision_safe_modules() == []
         losses = [tr.train_step(m)["train/loss"] for m in micro]
-        out[f"{mode}{stage}"] = (
-            losses,
-            {k: v.detach().clone() for k, v in tr.drafter_for_io().state_dict().items()},
-        )
+        out[f"{mode}{stage}"] = (losses, _weights(tr))
     torch.save(out, os.path.join(out_dir, "bf16.pt"))
     dist.destroy_process_group()
 
