@@ -2,9 +2,11 @@
 
 Legend: N rows, T positions, F = K*H aux features.
 A row holds one sample (padding) or several (packing); segment_ids_NT tells them apart (-1 =
-padding) and position_ids restart at 0 for every sample. The target always runs each sample
-alone (unpacked), so no target layer (attention or Gated-DeltaNet recurrence) ever mixes
-samples; the drafter's masks keep samples apart through segment_ids.
+padding) and position_ids restart at 0 for every sample. The target never mixes samples: a
+target whose layers all attend runs them packed into as few rows as hold them (the attention
+mask follows the restarting position ids: no padding is computed), any other (Gated-DeltaNet
+recurrence) runs each sample in its own row. The drafter's masks keep samples apart through
+segment_ids.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+
+from .packing import packed_capture_agrees
 
 
 @dataclass
@@ -122,14 +126,16 @@ def sample_spans(segment_ids_NT: torch.Tensor) -> list:
     return spans
 
 
-def _span_index(spans: list, device) -> tuple:
-    """Index tensors that move every sample between its row slot and its own row."""
+def _span_index(spans: list, device, dest: list | None = None) -> tuple:
+    """Index tensors that move every sample between its row slot and its own row (or, `dest`,
+    the (row, offset) of each sample in another layout)."""
     rows, cols, src_s, src_l = [], [], [], []
     for i, (r, o, n) in enumerate(spans):
+        d_row, d_off = dest[i] if dest is not None else (i, 0)
         rows.append(torch.full((n,), r))
         cols.append(torch.arange(o, o + n))
-        src_s.append(torch.full((n,), i))
-        src_l.append(torch.arange(n))
+        src_s.append(torch.full((n,), d_row))
+        src_l.append(torch.arange(d_off, d_off + n))
     cat = lambda xs: torch.cat(xs).to(device, non_blocking=True)  # noqa: E731
     return cat(rows), cat(cols), cat(src_s), cat(src_l)
 
@@ -151,6 +157,29 @@ def unpack(batch: TokenBatch, spans: list | None = None):
     return ids, att, spans, index
 
 
+def pack_for_capture(batch: TokenBatch, spans: list):
+    """Samples -> as few rows of the longest sample's length as hold them (first fit, longest
+    first), position ids restarting at 0 for every sample and for the padding at a row's end:
+    ids and position ids [R, L], and the index tensors repack uses."""
+    L = max(n for _, _, n in spans)
+    fill: list[int] = []
+    place: dict[int, tuple[int, int]] = {}
+    for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
+        n = spans[i][2]
+        r = next((r for r, used in enumerate(fill) if used + n <= L), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        place[i], fill[r] = (r, fill[r]), fill[r] + n
+    dev = batch.input_ids_NT.device
+    host = _span_index(spans, torch.device("cpu"), [place[i] for i in range(len(spans))])
+    pos = (torch.arange(L)[None] - torch.tensor(fill)[:, None]).clamp(min=0)
+    pos[host[2], host[3]] = torch.cat([torch.arange(n) for _, _, n in spans])
+    r, c, pr, pc = index = tuple(t.to(dev, non_blocking=True) for t in host)
+    ids = torch.zeros(len(fill), L, dtype=torch.long, device=dev)
+    ids[pr, pc] = batch.input_ids_NT[r, c]
+    return ids, pos.to(dev, non_blocking=True), index
+
+
 def repack(x_SL: torch.Tensor, index: tuple, N: int, T: int, fill=0) -> torch.Tensor:
     r, c, si, sl = (t.to(x_SL.device) for t in index)
     out = x_SL.new_full((N, T) + tuple(x_SL.shape[2:]), fill)
@@ -159,14 +188,29 @@ def repack(x_SL: torch.Tensor, index: tuple, N: int, T: int, fill=0) -> torch.Te
 
 
 def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -> TargetBatch:
-    """Run the clean target forward for a (possibly packed) batch, sample by sample. Pass the
-    batch while it is still on the CPU: the sample spans are then read without a device sync
-    and the tokens move to the target's device once."""
+    """Run the clean target forward for a (possibly packed) batch: its samples packed into as
+    few rows as hold them when every target layer attends (`target.packed_capture`, checked
+    once against one sample per row), else one sample per row. Pass the batch while it is still
+    on the CPU: the sample spans are then read without a device sync and the tokens move to the
+    target's device once."""
     N, T = batch.input_ids_NT.shape
     spans = sample_spans(batch.segment_ids_NT)
     batch = batch.to(target.device)
-    ids, att, spans, index = unpack(batch, spans)
-    out = target.capture(ids, att, with_final_hidden=with_final_hidden)
+    if getattr(target, "packs_capture", False):
+        ids, pos, index = pack_for_capture(batch, spans)
+        out = target.capture(ids, None, with_final_hidden, position_ids_NT=pos)
+        if target.pack_check_pending:  # once per target: the same outputs as one per row?
+            u_ids, att, _, u_index = unpack(batch, spans)
+            ref = target.capture(u_ids, att, with_final_hidden)
+            if not packed_capture_agrees(
+                target,
+                [repack(x, index, N, T) for x in (out.aux_NTF, out.next_token_NT)],
+                [repack(x, u_index, N, T) for x in (ref.aux_NTF, ref.next_token_NT)],
+            ):
+                out, index = ref, u_index
+    else:
+        ids, att, spans, index = unpack(batch, spans)
+        out = target.capture(ids, att, with_final_hidden=with_final_hidden)
     tb = TargetBatch(**{f.name: getattr(batch, f.name) for f in fields(TokenBatch)})
     tb.aux_NTF = repack(out.aux_NTF, index, N, T)
     tb.next_token_NT = repack(out.next_token_NT, index, N, T)

@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import TargetConfig
 from .linear_attn import check_bound_backend, select_linear_attn_backend
+from .packing import attends_only
 from .shape import TargetShape
 
 
@@ -254,9 +255,14 @@ class Target(nn.Module):
         tokenizer=None,
         mask_token_id: int | None = None,
         backend: str = "torch",
+        packed_capture: bool = False,
     ):
         super().__init__()
         self.model = model
+        # samples packed into shared rows for the clean forward: only where every layer attends
+        # (a recurrence would carry state across samples); checked once against one per row
+        self.packs_capture = packed_capture and attends_only(model)
+        self.pack_check_pending = self.packs_capture
         self.tokenizer = tokenizer
         self.backend = backend
         self.num_layers = int(model.config.num_hidden_layers)
@@ -309,12 +315,18 @@ class Target(nn.Module):
         attention_mask_NT: torch.Tensor | None = None,
         with_final_hidden: bool = False,
         label_chunk: int = 4096,
+        position_ids_NT: torch.Tensor | None = None,
     ) -> TargetOutput:
         """One no-grad forward: aux states via hooks (only the K taps are kept), hard labels from
-        the clean logits computed in chunks (the full [N, T, V] logits are never held)."""
+        the clean logits computed in chunks (the full [N, T, V] logits are never held).
+        position_ids_NT restarting inside a row (no attention mask, no cache): packed samples,
+        which transformers' attention masks keep apart."""
         with self.tap_aux() as taps:
             out = self.model.get_decoder()(
-                input_ids=input_ids_NT, attention_mask=attention_mask_NT, use_cache=False
+                input_ids=input_ids_NT,
+                attention_mask=attention_mask_NT,
+                position_ids=position_ids_NT,
+                use_cache=False,
             )
         final_NTH = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         aux_NTF = taps.aux()
@@ -380,4 +392,4 @@ def load_target(
     num_layers = int(model.config.num_hidden_layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers, num_aux)
     mtid = mask_token_id if mask_token_id is not None else cfg.mask_token_id
-    return Target(model, ids, tokenizer, mtid, backend)
+    return Target(model, ids, tokenizer, mtid, backend, cfg.packed_capture)

@@ -1,0 +1,51 @@
+"""Packed target capture: which targets may run several samples in one row, and the one-time
+check that packing gives what one sample per row gives (see batch.target_forward)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def attends_only(model: nn.Module) -> bool:
+    """Every decoder layer is (full, sliding or chunked) attention: no recurrent or convolution
+    state that packed samples would share."""
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or getattr(
+        getattr(cfg, "text_config", None), "layer_types", None
+    )
+    if types and any(t not in ATTENTION_LAYER_TYPES for t in types):
+        return False
+    stateful = ("linear_attn", "mamba", "mixer", "conv")
+    return not any(hasattr(layer, a) for layer in model.get_decoder().layers for a in stateful)
+
+
+def packed_capture_agrees(target, packed: list, ref: list) -> bool:
+    """The first packed capture against the same batch one sample per row ([aux, labels] of
+    each, in the batch's layout). Packing stays on only if they agree: transformers keeps packed
+    samples apart only where its attention masks follow the restarting position ids."""
+    target.pack_check_pending = False
+    (aux, nxt), (aux_ref, nxt_ref) = packed, ref
+    err = float((aux.float() - aux_ref.float()).norm() / aux_ref.float().norm().clamp(min=1e-9))
+    agree = float((nxt == nxt_ref).float().mean())
+    tol = 1e-4 if aux_ref.dtype == torch.float32 else 5e-2
+    if err <= tol and agree >= 0.98:
+        print(
+            "target capture: samples packed into shared rows (first batch against one per row: "
+            f"aux rel. diff {err:.1e}, labels agree {agree:.2%})",
+            flush=True,
+        )
+        return True
+    target.packs_capture = False
+    print(
+        f"warning: packed target capture differs from one sample per row (aux rel. diff "
+        f"{err:.1e}, labels agree {agree:.2%}): capturing one sample per row "
+        "(target.packed_capture=false skips this check)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return False

@@ -1,0 +1,112 @@
+"""Packed target capture: an attention-only target runs a batch's samples packed into shared rows
+(position ids restarting per sample, no padding computed) and must give exactly what one sample
+per row gives; a target with recurrent layers is never packed; a packed capture that disagrees
+on its first batch falls back to one sample per row, saying so."""
+
+import pytest
+import torch
+from conftest import get_target
+
+from dflash.batch import Sample, collate, pack_for_capture, sample_spans, target_forward
+from dflash.config import TargetConfig
+from dflash.packing import attends_only
+from dflash.target import load_target
+
+LENGTHS = [40, 7, 23, 12, 40, 3, 31]
+
+
+def _samples(vocab: int) -> list:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        lm = torch.zeros(n, dtype=torch.bool)
+        lm[n // 2 :] = True
+        out.append(Sample(i, torch.randint(0, vocab - 2, (n,), generator=g), lm))
+    return out
+
+
+def _tiny_qwen2_sliding():
+    """Qwen2 with a sliding window of 8 on its first layers: the mask must combine the window
+    with the packed samples."""
+    cfg = dict(
+        model_type="qwen2",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=4,
+        tie_word_embeddings=False,
+    )
+    return load_target(
+        TargetConfig(name="tiny_qwen2_swa", config=cfg, device="cpu", dtype="float32"), num_aux=3
+    )
+
+
+def _both(target, batch):
+    """Packed (fresh check each time) and one-sample-per-row captures of the same batch."""
+    target.packs_capture = target.pack_check_pending = True
+    packed = target_forward(target, batch)
+    target.packs_capture = False
+    ref = target_forward(target, batch)
+    target.packs_capture = True
+    return packed, ref
+
+
+@pytest.mark.parametrize("pack_to", [None, 64])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2_swa"])
+def test_packed_capture_equals_one_sample_per_row(name, pack_to, capsys):
+    target = get_target(name) if name == "tiny_llama" else _tiny_qwen2_sliding()
+    assert attends_only(target.model) and target.packs_capture
+    if name == "tiny_qwen2_swa":
+        assert "sliding_attention" in target.model.config.layer_types
+    batch = collate(_samples(target.vocab_size), pad_id=0, pack_to=pack_to)
+    packed, ref = _both(target, batch)
+    assert "samples packed into shared rows" in capsys.readouterr().out
+    torch.testing.assert_close(packed.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.next_token_NT, ref.next_token_NT)
+    assert target.packs_capture  # the check passed: packing stays on
+
+
+def test_pack_layout_fills_rows_and_restarts_positions():
+    batch = collate(_samples(512), pad_id=0)
+    spans = sample_spans(batch.segment_ids_NT)
+    ids, pos, (r, c, pr, pc) = pack_for_capture(batch, spans)
+    # first fit, longest first, rows as long as the longest sample: 40 | 40 | 31+7 | 23+12+3
+    assert ids.shape == (4, 40) and batch.input_ids_NT.shape == (7, 40)
+    assert torch.equal(ids[pr, pc], batch.input_ids_NT[r, c])  # every token, once
+    assert len(set(zip(pr.tolist(), pc.tolist()))) == sum(LENGTHS)
+    for i, (_, _, n) in enumerate(spans):  # each sample contiguous, positions 0..n-1
+        rows, cols = pr[r == i], pc[r == i]
+        assert rows.unique().numel() == 1 and torch.equal(cols, cols[0] + torch.arange(n))
+        assert torch.equal(pos[rows[0], cols], torch.arange(n))
+    assert torch.equal(pos[2], torch.cat([torch.arange(31), torch.arange(7), torch.arange(2)]))
+
+
+def test_a_target_with_recurrent_layers_is_never_packed():
+    target = get_target("tiny_qwen3_5")
+    assert not attends_only(target.model) and not target.packs_capture
+
+
+def test_a_packed_capture_that_disagrees_falls_back_with_a_warning(monkeypatch, capsys):
+    target = _tiny_qwen2_sliding()
+    real = target.capture
+
+    def broken(ids, att=None, with_final_hidden=False, label_chunk=4096, position_ids_NT=None):
+        out = real(ids, att, with_final_hidden, label_chunk, position_ids_NT)
+        if position_ids_NT is not None:  # as if the kernel ignored the restarting positions
+            out.aux_NTF = out.aux_NTF + 1.0
+        return out
+
+    monkeypatch.setattr(target, "capture", broken)
+    batch = collate(_samples(target.vocab_size), pad_id=0)
+    got = target_forward(target, batch)
+    assert "packed target capture differs from one sample per row" in capsys.readouterr().err
+    assert not target.packs_capture
+    target.packs_capture = False
+    ref = target_forward(target, batch)
+    torch.testing.assert_close(got.aux_NTF, ref.aux_NTF)
