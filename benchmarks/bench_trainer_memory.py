@@ -8,8 +8,8 @@ the process group is torch's "fake" backend (collectives return at once, nothing
 DeepSpeed and FSDP partition for N ranks and allocate exactly rank 0's shards, buffers and
 activations: the measured figures are what one rank of N holds, without N GPUs. The numbers the
 fake collectives leave in the tensors are not meaningful; the allocations are. --ranks 1 runs a
-real world of one (nccl/gloo), and so does ddp, which replicates everything. On CPU (e.g. --shape tiny) only the analytic figures are
-printed: it checks that every mode runs. Measured: the peak memory of two training steps and
+real world of one (nccl/gloo), and so does ddp, which replicates everything. On CPU (e.g.
+--shape tiny) only the analytic figures are printed: it checks that every mode runs. Measured: the peak memory of two training steps and
 the memory held between steps (weights + gradients + optimizer state + the frozen
 embedding/lm_head). Analytic, for --ranks N: weights 4P, gradients 4P and AdamW 8P (fp32, P
 drafter parameters) divided over the ranks as each mode shards them, plus the frozen heads

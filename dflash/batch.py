@@ -162,8 +162,8 @@ def pack_for_capture(batch: TokenBatch, spans: list):
     first), position ids restarting at 0 for every sample and for the padding at a row's end:
     ids and position ids [R, L], and the index tensors repack uses."""
     L = max(n for _, _, n in spans)
-    fill: list[int] = []
-    place: dict[int, tuple[int, int]] = {}
+    fill: list[int] = []  # tokens used in each packed row
+    place: list = [None] * len(spans)  # (packed row, offset) of each sample
     for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
         n = spans[i][2]
         r = next((r for r, used in enumerate(fill) if used + n <= L), len(fill))
@@ -171,7 +171,7 @@ def pack_for_capture(batch: TokenBatch, spans: list):
             fill.append(0)
         place[i], fill[r] = (r, fill[r]), fill[r] + n
     dev = batch.input_ids_NT.device
-    host = _span_index(spans, torch.device("cpu"), [place[i] for i in range(len(spans))])
+    host = _span_index(spans, torch.device("cpu"), place)
     pos = (torch.arange(L)[None] - torch.tensor(fill)[:, None]).clamp(min=0)
     pos[host[2], host[3]] = torch.cat([torch.arange(n) for _, _, n in spans])
     r, c, pr, pc = index = tuple(t.to(dev, non_blocking=True) for t in host)

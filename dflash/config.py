@@ -45,7 +45,7 @@ class TargetConfig:
     device: str = "auto"  # auto: cuda if present, else cpu
     linear_attn_backend: str = "auto"  # auto | fla | torch (Gated-DeltaNet kernels)
     attn_implementation: str = "sdpa"  # transformers attention kernel
-    packed_capture: bool = True  # attention-only targets: samples share rows in the clean forward (no padding computed; checked once against one per row)
+    packed_capture: bool = True  # attention-only targets: samples share rows (checked once)
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
     # token, or vocab_size-1 for tokenizer-less random targets.
     mask_token_id: int | None = None
@@ -170,7 +170,7 @@ class DataConfig:
     seed: int = 1234  # data and order seed
     cache_dir: str | None = None  # default: <run_dir>/data
     # Pack samples first-fit into rows of this many tokens (None: one sample per row, padded).
-    # The drafter's masks keep samples apart (the target packs its own rows: target.packed_capture).
+    # The drafter's masks keep samples apart; the target packs its own (packed_capture).
     pack_to: int | None = None
 
     def validate(self) -> None:

@@ -32,7 +32,7 @@ from .comm import (
 from .config import RunConfig
 from .interrupt import Interrupted
 from .preflight import check_run
-from .rundir import RESUME_FILE, RunFinished, plan_run
+from .rundir import RESUME_FILE, RunFinished, override_key, plan_run
 from .runlog import RunDir
 from .split.run import run_split
 from .split.schedule import Roles
@@ -105,7 +105,7 @@ class ResumeCommand:
 
     def __init__(self, overrides: list[str], cfg: RunConfig, run_dir: str, world: int):
         drop = ("resume", "run_name")
-        keep = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in drop]
+        keep = [o for o in overrides if override_key(o) not in drop]
         prog = "python train.py" if world == 1 else f"torchrun --nproc-per-node {world} train.py"
         self.fresh = " ".join([prog, *map(shlex.quote, keep)])
         # resume=RUN_DIR alone continues in that directory (rundir.plan_run); a run_name here

@@ -179,9 +179,9 @@ def _safe(key: str) -> bool:
 RESUME_FILE = "resume_command"  # the run's resume command line, written by the launcher
 
 
-def _override_key(token: str) -> str | None:
+def override_key(token: str) -> str | None:
     """The key a command-line override sets (`+exp=x` -> exp), None for a flag such as -m."""
-    if "=" not in token or token.startswith("-"):
+    if token.startswith("-") or ("=" not in token and not token.startswith("~")):
         return None
     return token.lstrip("+~").split("=", 1)[0]
 
@@ -192,7 +192,7 @@ def with_run_overrides(argv: list[str], default_out_root: str = "outputs") -> tu
     that this command line does not set again come first, so `resume=RUN_DIR` alone composes
     the run's own config (and a key given again, e.g. a longer budget, wins). Returns the
     command line to compose and the overrides taken from the run ([] when there are none)."""
-    given = {k: t for t in argv if (k := _override_key(t)) is not None}
+    given = {k: t for t in argv if (k := override_key(t)) is not None}
     resume = given.get("resume", "resume=").split("=", 1)[1]
     if resume.lower() in ("", "false", "none", "null"):
         return argv, []
@@ -213,9 +213,7 @@ def with_run_overrides(argv: list[str], default_out_root: str = "outputs") -> tu
     restored = [
         t
         for t in tokens[start:]
-        if (k := _override_key(t)) is not None
-        and k not in given
-        and k not in ("resume", "run_name")
+        if (k := override_key(t)) is not None and k not in given and k not in ("resume", "run_name")
     ]
     return restored + list(argv), restored
 
