@@ -252,7 +252,22 @@ def main() -> None:
         mem[name] = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None
         return s, mean(tokens) / s, mean(flops) / s / 1e12
 
-    s_cap, tps_cap, tf_cap = measure("capture", capture, cap_flops)
+    # Capture alone in each way the target can run it (same batches): one sample per row, packed
+    # rows (eager), packed rows replayed from CUDA graphs; the loop runs the default (the last).
+    graphs = getattr(target, "capture_graphs", None)
+    modes = {"rows": (False, None), "packed": (True, None), "graphs": (True, graphs)}
+    if not getattr(target, "packs_capture", False):
+        modes = {"rows": (False, None)}
+    elif graphs is None:
+        del modes["graphs"]
+    per_mode = {}
+    for mode, (packs, g) in modes.items():
+        target.packs_capture, target.capture_graphs = packs, g
+        target.pack_check_pending = False
+        for i in range(nb):  # a graph bucket is captured the first time it is seen
+            capture(i)
+        per_mode[mode] = measure(f"capture_{mode}", capture, cap_flops)
+    s_cap, tps_cap, tf_cap = per_mode[mode]
     s_step, tps_step, tf_step = measure("step", lambda i: tr.train_step([tbs[i % nb]]), step_flops)
     s_loop, tps_loop, tf_loop = measure(
         "loop",
@@ -274,6 +289,8 @@ def main() -> None:
         "anchors_per_row": args.anchors,
         "drafter_params_M": num_params(drafter) / 1e6,
         "matmul_peak_tflops": peak,
+        **{f"capture_{m}_ms": v[0] * 1e3 for m, v in per_mode.items()},
+        "capture_mode": mode,
         "capture_ms": s_cap * 1e3,
         "capture_tokens_per_s": tps_cap,
         "capture_tflops": tf_cap,

@@ -157,11 +157,13 @@ def unpack(batch: TokenBatch, spans: list | None = None):
     return ids, att, spans, index
 
 
-def pack_for_capture(batch: TokenBatch, spans: list):
+def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: int = 1):
     """Samples -> as few rows of the longest sample's length as hold them (first fit, longest
     first), position ids restarting at 0 for every sample and for the padding at a row's end:
-    ids and position ids [R, L], and the index tensors repack uses."""
-    L = max(n for _, _, n in spans)
+    ids, position ids and segment ids (the sample's index, -1 = padding) [R, L], and the index
+    tensors repack uses. rows_to / len_to: pad R and L up to multiples of them (CUDA graphs
+    replay fixed shapes); padding rows are padding throughout."""
+    L = _round_up(max(n for _, _, n in spans), len_to)
     fill: list[int] = []  # tokens used in each packed row
     place: list = [None] * len(spans)  # (packed row, offset) of each sample
     for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
@@ -170,14 +172,22 @@ def pack_for_capture(batch: TokenBatch, spans: list):
         if r == len(fill):
             fill.append(0)
         place[i], fill[r] = (r, fill[r]), fill[r] + n
+    fill += [0] * (_round_up(len(fill), rows_to) - len(fill))
     dev = batch.input_ids_NT.device
     host = _span_index(spans, torch.device("cpu"), place)
     pos = (torch.arange(L)[None] - torch.tensor(fill)[:, None]).clamp(min=0)
     pos[host[2], host[3]] = torch.cat([torch.arange(n) for _, _, n in spans])
+    seg = torch.full((len(fill), L), -1, dtype=torch.long)
+    seg[host[2], host[3]] = torch.cat([torch.full((n,), i) for i, (_, _, n) in enumerate(spans)])
     r, c, pr, pc = index = tuple(t.to(dev, non_blocking=True) for t in host)
     ids = torch.zeros(len(fill), L, dtype=torch.long, device=dev)
     ids[pr, pc] = batch.input_ids_NT[r, c]
-    return ids, pos.to(dev, non_blocking=True), index
+    to_dev = lambda x: _to_device(x, dev)  # noqa: E731
+    return ids, to_dev(pos), to_dev(seg), index
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
 
 
 def repack(x_SL: torch.Tensor, index: tuple, N: int, T: int, fill=0) -> torch.Tensor:
@@ -197,8 +207,12 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
     spans = sample_spans(batch.segment_ids_NT)
     batch = batch.to(target.device)
     if getattr(target, "packs_capture", False):
-        ids, pos, index = pack_for_capture(batch, spans)
-        out = target.capture(ids, None, with_final_hidden, position_ids_NT=pos)
+        graphs = None if with_final_hidden else getattr(target, "capture_graphs", None)
+        ids, pos, seg, index = pack_for_capture(batch, spans, *(graphs.buckets if graphs else ()))
+        if graphs is not None:  # CUDA graphs of fixed-shape buckets (dflash.capture_graphs)
+            out = graphs(ids, pos, seg)
+        else:
+            out = target.capture(ids, None, with_final_hidden, position_ids_NT=pos)
         if target.pack_check_pending:  # once per target: the same outputs as one per row?
             u_ids, att, _, u_index = unpack(batch, spans)
             ref = target.capture(u_ids, att, with_final_hidden)

@@ -40,7 +40,7 @@ def packed_capture_agrees(target, packed: list, ref: list) -> bool:
             flush=True,
         )
         return True
-    target.packs_capture = False
+    target.packs_capture, target.capture_graphs = False, None
     print(
         f"warning: packed target capture differs from one sample per row (aux rel. diff "
         f"{err:.1e}, labels agree {agree:.2%}): capturing one sample per row "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .capture_graphs import CaptureGraphs, graphable
 from .config import TargetConfig
 from .linear_attn import check_bound_backend, select_linear_attn_backend
 from .packing import attends_only
@@ -256,6 +257,7 @@ class Target(nn.Module):
         mask_token_id: int | None = None,
         backend: str = "torch",
         packed_capture: bool = False,
+        capture_graphs: bool = False,
     ):
         super().__init__()
         self.model = model
@@ -270,6 +272,8 @@ class Target(nn.Module):
         self.hidden_size = int(model.config.hidden_size)
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.mask_token_id = resolve_mask_token_id(tokenizer, self.vocab_size, mask_token_id)
+        graphs = capture_graphs and self.packs_capture and graphable(model, self.device)
+        self.capture_graphs = CaptureGraphs(self) if graphs else None  # packed, CUDA graphs
 
     @property
     def device(self) -> torch.device:
@@ -392,4 +396,4 @@ def load_target(
     num_layers = int(model.config.num_hidden_layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers, num_aux)
     mtid = mask_token_id if mask_token_id is not None else cfg.mask_token_id
-    return Target(model, ids, tokenizer, mtid, backend, cfg.packed_capture)
+    return Target(model, ids, tokenizer, mtid, backend, cfg.packed_capture, cfg.capture_graphs)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import get_target
 
+from dflash.capture_graphs import LEN_TO, ROWS_TO, CaptureGraphs
 from dflash.batch import Sample, collate, pack_for_capture, sample_spans, target_forward
 from dflash.config import TargetConfig
 from dflash.packing import attends_only
@@ -75,7 +76,7 @@ def test_packed_capture_equals_one_sample_per_row(name, pack_to, capsys):
 def test_pack_layout_fills_rows_and_restarts_positions():
     batch = collate(_samples(512), pad_id=0)
     spans = sample_spans(batch.segment_ids_NT)
-    ids, pos, (r, c, pr, pc) = pack_for_capture(batch, spans)
+    ids, pos, seg, (r, c, pr, pc) = pack_for_capture(batch, spans)
     # first fit, longest first, rows as long as the longest sample: 40 | 40 | 31+7 | 23+12+3
     assert ids.shape == (4, 40) and batch.input_ids_NT.shape == (7, 40)
     assert torch.equal(ids[pr, pc], batch.input_ids_NT[r, c])  # every token, once
@@ -85,6 +86,31 @@ def test_pack_layout_fills_rows_and_restarts_positions():
         assert rows.unique().numel() == 1 and torch.equal(cols, cols[0] + torch.arange(n))
         assert torch.equal(pos[rows[0], cols], torch.arange(n))
     assert torch.equal(pos[2], torch.cat([torch.arange(31), torch.arange(7), torch.arange(2)]))
+    assert torch.equal(seg[pr, pc], r) and (seg >= 0).sum() == sum(LENGTHS)
+    # padded to buckets (CUDA graphs): rows of 64 hold 40+23 | 40+12+7+3 | 31, padded to 4 rows
+    ids_b, pos_b, seg_b, (r, c, pr, pc) = pack_for_capture(batch, spans, rows_to=4, len_to=32)
+    assert ids_b.shape == pos_b.shape == seg_b.shape == (4, 64)
+    assert torch.equal(ids_b[pr, pc], batch.input_ids_NT[r, c]) and torch.equal(seg_b[pr, pc], r)
+    assert (seg_b[3] == -1).all() and torch.equal(pos_b[3], torch.arange(64))
+    assert torch.equal(pos_b[2, 31:], torch.arange(33))  # a row's padding restarts at 0
+
+def test_bucketed_masked_capture_equals_one_sample_per_row(capsys):
+    """The CUDA-graph path's forward (rows and length padded to buckets, an explicit
+    block-diagonal causal mask from the segment ids) gives one-sample-per-row outputs; on the
+    CPU it runs eagerly, on CUDA the same function is replayed from graphs (tests/test_gpu.py)."""
+    target = get_target("tiny_llama")
+    assert target.capture_graphs is None  # CPU: not graphable
+    target.capture_graphs = CaptureGraphs(target)
+    CaptureGraphs.buckets = (4, 32)
+    try:
+        batch = collate(_samples(target.vocab_size), pad_id=0)
+        packed, ref = _both(target, batch)
+    finally:
+        CaptureGraphs.buckets = (ROWS_TO, LEN_TO)
+        target.capture_graphs = None
+    assert "samples packed into shared rows" in capsys.readouterr().out
+    torch.testing.assert_close(packed.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.next_token_NT, ref.next_token_NT)
 
 
 def test_a_target_with_recurrent_layers_is_never_packed():

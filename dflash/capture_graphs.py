@@ -1,0 +1,110 @@
+"""The packed target capture replayed from CUDA graphs (`target.capture_graphs`).
+
+Legend: R packed rows, L row length, F = K*H aux features.
+
+An eager forward of a small target (SmolLM2-135M, Qwen2.5-0.5B) over a few thousand tokens is
+bound by kernel launches: ~30 kernels per layer, each costing more host time than GPU time.
+Replayed from a CUDA graph the whole capture (forward, aux taps, argmax labels) is one launch.
+
+Graphs have fixed shapes, so packed rows are padded to buckets: R up to a multiple of
+`ROWS_TO`, L up to a multiple of `LEN_TO` (batch.pack_for_capture pads them); one graph per
+bucket, captured the first time it is seen (at most `MAX_GRAPHS`; beyond that, eager). The
+samples of a row are kept apart by an explicit block-diagonal causal mask built inside the graph
+from the packed segment ids (padding is its own segment, so no attention row is empty), which
+is why only targets whose layers are all full attention, run through SDPA, qualify.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+ROWS_TO = 2
+LEN_TO = 128
+MAX_GRAPHS = 48
+
+
+def graphable(model, device: torch.device) -> bool:
+    """CUDA, SDPA, every layer full attention (a 4D mask given to transformers is used as is by
+    every layer, so a sliding window would be lost)."""
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    return (
+        device.type == "cuda"
+        and getattr(cfg, "_attn_implementation", None) == "sdpa"
+        and all(t == "full_attention" for t in types)
+        and not getattr(cfg, "use_sliding_window", False)
+    )
+
+
+def packed_mask(seg_RL: torch.Tensor) -> torch.Tensor:
+    """bool [R, 1, L, L]: query q sees key k iff same segment and k <= q (True = attend)."""
+    L = seg_RL.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=seg_RL.device).tril()
+    return ((seg_RL[:, :, None] == seg_RL[:, None, :]) & causal)[:, None]
+
+
+class CaptureGraphs:
+    """One CUDA graph per (rows, length) bucket of `target.capture` over packed rows. Returns
+    its TargetOutput, whose tensors are a graph's static outputs: read them before the next
+    call."""
+
+    buckets = (ROWS_TO, LEN_TO)
+
+    def __init__(self, target):
+        self.target = target
+        self.graphs: dict = {}
+        self.pool = None
+        self.failed = False
+
+    def __call__(self, ids_RL: torch.Tensor, pos_RL: torch.Tensor, seg_RL: torch.Tensor):
+        key = tuple(ids_RL.shape)
+        if ids_RL.device.type != "cuda":  # the same bucketed, explicitly masked forward, eager
+            return self._eager(ids_RL, pos_RL, seg_RL)
+        if key not in self.graphs:
+            if len(self.graphs) >= MAX_GRAPHS:
+                return self._eager(ids_RL, pos_RL, seg_RL)
+            self.graphs[key] = self._capture(ids_RL, pos_RL, seg_RL)
+            if self.graphs[key] is None:
+                return self._eager(ids_RL, pos_RL, seg_RL)
+        entry = self.graphs[key]
+        if entry is None:
+            return self._eager(ids_RL, pos_RL, seg_RL)
+        graph, (ids, pos, seg), out = entry
+        ids.copy_(ids_RL, non_blocking=True)
+        pos.copy_(pos_RL, non_blocking=True)
+        seg.copy_(seg_RL, non_blocking=True)
+        graph.replay()
+        return out
+
+    def _eager(self, ids_RL, pos_RL, seg_RL):
+        return self.target.capture(ids_RL, packed_mask(seg_RL), position_ids_NT=pos_RL)
+
+    def _capture(self, ids_RL, pos_RL, seg_RL):
+        """Warm up on a side stream (lazy inits, cuBLAS workspaces), then record one capture."""
+        static = tuple(x.clone() for x in (ids_RL, pos_RL, seg_RL))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(s):
+                self._eager(*static)
+            torch.cuda.current_stream().wait_stream(s)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=s):
+                out = self._eager(*static)
+            torch.cuda.current_stream().wait_stream(s)
+        except RuntimeError as e:  # a model whose forward cannot be captured runs eagerly
+            torch.cuda.synchronize()
+            if not self.failed:
+                print(
+                    f"warning: CUDA graph capture of the target failed ({e}); capturing eagerly "
+                    "(target.capture_graphs=false skips the attempt)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.failed = True
+            return None
+        return graph, static, out
