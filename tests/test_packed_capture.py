@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import get_target
 
-from dflash.capture_graphs import LEN_TO, ROWS_TO, CaptureGraphs
 from dflash.batch import Sample, collate, pack_for_capture, sample_spans, target_forward
+from dflash.capture_graphs import LEN_TO, ROWS_TO, CaptureGraphs
 from dflash.config import TargetConfig
 from dflash.packing import attends_only
 from dflash.target import load_target
@@ -93,6 +93,7 @@ def test_pack_layout_fills_rows_and_restarts_positions():
     assert torch.equal(ids_b[pr, pc], batch.input_ids_NT[r, c]) and torch.equal(seg_b[pr, pc], r)
     assert (seg_b[3] == -1).all() and torch.equal(pos_b[3], torch.arange(64))
     assert torch.equal(pos_b[2, 31:], torch.arange(33))  # a row's padding restarts at 0
+
 
 def test_bucketed_masked_capture_equals_one_sample_per_row(capsys):
     """The CUDA-graph path's forward (rows and length padded to buckets, an explicit
