@@ -62,39 +62,72 @@ class BadBatchError(ValueError):
     pass
 
 
-def screen_batch(tb: TargetBatch, on_bad: str, origin: str = "") -> tuple[TargetBatch, list[int]]:
+def screen_batch(
+    tb: TargetBatch, on_bad: str, origin: str = "", defer: bool = False
+) -> tuple[TargetBatch, list[int] | PendingBadSamples]:
     """Non-finite aux (or final hidden) states: report the sample ids, then either stop
     (BadBatchError) or skip those samples. Skipping zeroes their aux states and loss mask
     instead of dropping rows, so every rank still runs the same forward/backward (DDP) and the
-    other samples of the batch train unchanged (segments never attend to each other)."""
+    other samples of the batch train unchanged (segments never attend to each other).
+
+    defer: no device sync now. The flagged samples (none, almost always) are zeroed on the
+    device either way, and the returned PendingBadSamples reports them when `.read()` (at a
+    log step): their ids, or BadBatchError under on_bad=stop."""
+    bad_S = _bad_samples(tb)
+    if defer:
+        return _drop(tb, bad_S), PendingBadSamples(bad_S, tb.sample_ids, on_bad, origin)
+    if not bool(bad_S.any()):
+        return tb, []
+    ids = PendingBadSamples(bad_S, tb.sample_ids, on_bad, origin).read()
+    return _drop(tb, bad_S), ids
+
+
+class PendingBadSamples:
+    def __init__(self, bad_S: torch.Tensor, sample_ids: torch.Tensor, on_bad: str, origin: str):
+        self.bad_S, self.sample_ids, self.on_bad, self.origin = bad_S, sample_ids, on_bad, origin
+
+    def read(self) -> list[int]:
+        bad = self.bad_S.cpu()
+        if not bool(bad.any()):
+            return []
+        ids = [int(i) for i in self.sample_ids.cpu()[bad].tolist()]
+        where = f" ({self.origin})" if self.origin else ""
+        if self.on_bad == "stop":
+            raise BadBatchError(
+                f"non-finite target aux states in samples {ids}{where}; "
+                "topology.on_bad_batch=stop (set it to skip to train on without them)"
+            )
+        print(
+            f"warning: skipped samples {ids}{where}: non-finite target aux states "
+            "(topology.on_bad_batch=skip)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ids
+
+
+def _bad_samples(tb: TargetBatch) -> torch.Tensor:
+    """bool [S]: samples with a non-finite aux (or final hidden) state, found on the device."""
     bad_NT = ~torch.isfinite(tb.aux_NTF).all(-1)
     if tb.final_hidden_NTH is not None:
         bad_NT |= ~torch.isfinite(tb.final_hidden_NTH).all(-1)
-    bad_NT &= tb.segment_ids_NT >= 0
-    if not bool(bad_NT.any()):
-        return tb, []
-    segs = tb.segment_ids_NT[bad_NT].unique()
-    ids = [int(i) for i in tb.sample_ids.to(segs.device)[segs].tolist()]
-    where = f" ({origin})" if origin else ""
-    if on_bad == "stop":
-        raise BadBatchError(
-            f"non-finite target aux states in samples {ids}{where}; "
-            "topology.on_bad_batch=stop (set it to skip to train on without them)"
-        )
-    drop_NT = torch.isin(tb.segment_ids_NT, segs)
-    aux = tb.aux_NTF.masked_fill(drop_NT[..., None], 0)
+    seg = tb.segment_ids_NT.to(bad_NT.device)
+    S = tb.sample_ids.numel()
+    hit = torch.zeros(S + 1, dtype=torch.long, device=bad_NT.device)  # slot 0: padding
+    hit.scatter_reduce_(0, (seg + 1).clamp(min=0).flatten(), bad_NT.flatten().long(), "amax")
+    return hit[1:].bool()
+
+
+def _drop(tb: TargetBatch, bad_S: torch.Tensor) -> TargetBatch:
+    seg = tb.segment_ids_NT.to(bad_S.device)
+    drop_NT = bad_S[seg.clamp(min=0)] & (seg >= 0)
     fh = tb.final_hidden_NTH
-    if fh is not None:
-        fh = fh.masked_fill(drop_NT[..., None], 0)
-    print(
-        f"warning: skipped samples {ids}{where}: non-finite target aux states "
-        "(topology.on_bad_batch=skip)",
-        file=sys.stderr,
-        flush=True,
-    )
     return dataclasses.replace(
-        tb, aux_NTF=aux, final_hidden_NTH=fh, loss_mask_NT=tb.loss_mask_NT & ~drop_NT
-    ), ids
+        tb,
+        aux_NTF=tb.aux_NTF.masked_fill(drop_NT[..., None], 0),
+        final_hidden_NTH=None if fh is None else fh.masked_fill(drop_NT[..., None], 0),
+        loss_mask_NT=tb.loss_mask_NT & ~drop_NT,
+    )
 
 
 # ----------------------------------------------------------------------------- dataset per rank

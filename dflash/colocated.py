@@ -33,27 +33,32 @@ class LocalBatchSource:
         self.stream = SampleStream(len(samples), cfg.data.seed)
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.bad_samples: list[int] = []
+        self.pending: list = []  # screen_batch checks not read back yet
 
     def next_batches(self) -> list:
         mb, out = self.cfg.train.micro_batch_size, []
         for _ in range(self.cfg.train.grad_accum):
             idx = self.stream.take(mb * self.dp_world)[self.dp_rank * mb : (self.dp_rank + 1) * mb]
-            tb, bad = screen_batch(
-                make_batch(self.target, self.samples, idx, self.cfg), self.cfg.topology.on_bad_batch
+            # no device sync per step: flagged samples are zeroed on the device now and reported
+            # (or stop the run under on_bad_batch=stop) at the next log step
+            tb, pending = screen_batch(
+                make_batch(self.target, self.samples, idx, self.cfg),
+                self.cfg.topology.on_bad_batch,
+                defer=True,
             )
-            self.bad_samples += bad
+            self.pending.append(pending)
             out.append(tb)
         return out
 
     def step_metrics(self, target_s: float, drafter_s: float) -> dict:
         # target vs drafter time per step = target GPUs per drafter GPU in a split run
-        return {
-            "pipe/suggested_workers_per_trainer": target_s / max(drafter_s, 1e-9),
-            "pipe/bad_samples": float(len(self.bad_samples)),
-        }
+        return {"pipe/suggested_workers_per_trainer": target_s / max(drafter_s, 1e-9)}
 
     def interval_metrics(self) -> dict:
-        return {}
+        for pending in self.pending:
+            self.bad_samples += pending.read()
+        self.pending = []
+        return {"pipe/bad_samples": float(len(self.bad_samples))}
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}

@@ -263,6 +263,25 @@ def test_screen_batch_names_bad_samples_and_skips_only_them():
     assert none == []
 
 
+def test_deferred_screen_zeroes_at_once_and_reports_when_read(capsys):
+    """defer=True (the colocated loop: no device sync per step): the flagged sample is zeroed in
+    the returned batch right away; its id is reported, or the run stopped, only on .read()."""
+    tb = _target_batch(aux_dtype=torch.float32)
+    seg = tb.segment_ids_NT
+    r, t = (seg == 1).nonzero()[0].tolist()
+    tb.aux_NTF[r, t, 5] = float("nan")
+    out, pending = screen_batch(tb, "skip", defer=True)
+    assert torch.isfinite(out.aux_NTF).all() and not out.loss_mask_NT[seg == 1].any()
+    assert torch.equal(out.aux_NTF[seg != 1], tb.aux_NTF[seg != 1])
+    assert capsys.readouterr().err == ""  # nothing said yet
+    assert pending.read() == [3] and "skipped samples [3]" in capsys.readouterr().err
+    _, pending = screen_batch(tb, "stop", origin="step 7", defer=True)
+    with pytest.raises(BadBatchError, match=r"samples \[3\] \(step 7\)"):
+        pending.read()
+    clean, pending = screen_batch(_target_batch(), "stop", defer=True)
+    assert pending.read() == []
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_trainer_heads_read_from_checkpoint_files(tmp_path, tied):
     from transformers import AutoModelForCausalLM, LlamaConfig

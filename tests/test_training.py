@@ -1,6 +1,7 @@
 """Training guarantees: exact gradient accumulation, clean labels under noise, loss math,
 save -> resume -> continue equals an uninterrupted run."""
 
+import math
 import os
 
 import pytest
@@ -168,3 +169,32 @@ def _master(step_dir) -> dict:
     from dflash.checkpoint import STATE_FILE
 
     return torch.load(os.path.join(step_dir, STATE_FILE), weights_only=False)["drafter_fp32"]
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_colocated_bad_sample_is_reported_at_the_log_step(tmp_path, monkeypatch, policy):
+    """A non-finite aux state in the colocated loop (screened without a per-step sync): skip
+    trains on and counts the sample in pipe/bad_samples; stop ends the run naming it."""
+    import dflash.build as build
+    from dflash.colocated import run_colocated
+
+    real = build.target_forward
+    calls = []
+
+    def poisoned(target, batch, with_final_hidden=False):
+        tb = real(target, batch, with_final_hidden)
+        calls.append(1)
+        if len(calls) == 2:  # the second micro-batch: one position of its first sample
+            first = tb.segment_ids_NT == 0
+            tb.aux_NTF[first.nonzero()[0].tolist()] = float("nan")
+        return tb
+
+    monkeypatch.setattr(build, "target_forward", poisoned)
+    cfg = _run_cfg(tmp_path, 2, log_every=2)
+    cfg.topology.on_bad_batch = policy
+    if policy == "stop":
+        with pytest.raises(build.BadBatchError, match="non-finite target aux states in samples"):
+            run_colocated(cfg, str(tmp_path / "run"))
+        return
+    out = run_colocated(cfg, str(tmp_path / "run"))
+    assert out["pipe/bad_samples"] == 1 and math.isfinite(out["train/loss"])
