@@ -60,16 +60,11 @@ class CaptureGraphs:
 
     def __call__(self, ids_RL: torch.Tensor, pos_RL: torch.Tensor, seg_RL: torch.Tensor):
         key = tuple(ids_RL.shape)
-        if ids_RL.device.type != "cuda":  # the same bucketed, explicitly masked forward, eager
-            return self._eager(ids_RL, pos_RL, seg_RL)
-        if key not in self.graphs:
-            if len(self.graphs) >= MAX_GRAPHS:
-                return self._eager(ids_RL, pos_RL, seg_RL)
-            self.graphs[key] = self._capture(ids_RL, pos_RL, seg_RL)
-            if self.graphs[key] is None:
-                return self._eager(ids_RL, pos_RL, seg_RL)
-        entry = self.graphs[key]
-        if entry is None:
+        if key not in self.graphs and ids_RL.is_cuda and not self.failed:
+            if len(self.graphs) < MAX_GRAPHS:  # beyond that, new buckets run eagerly
+                self.graphs[key] = self._capture(ids_RL, pos_RL, seg_RL)  # None if it failed
+        entry = self.graphs.get(key) if ids_RL.is_cuda else None
+        if entry is None:  # CPU, a failed capture or too many buckets: the same forward, eager
             return self._eager(ids_RL, pos_RL, seg_RL)
         graph, (ids, pos, seg), out = entry
         ids.copy_(ids_RL, non_blocking=True)
