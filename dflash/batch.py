@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from .flex_attn import round_up
 from .packing import packed_capture_agrees
 
 
@@ -163,7 +164,7 @@ def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: i
     ids, position ids and segment ids (the sample's index, -1 = padding) [R, L], and the index
     tensors repack uses. rows_to / len_to: pad R and L up to multiples of them (CUDA graphs
     replay fixed shapes); padding rows are padding throughout."""
-    L = _round_up(max(n for _, _, n in spans), len_to)
+    L = round_up(max(n for _, _, n in spans), len_to)
     fill: list[int] = []  # tokens used in each packed row
     place: list = [None] * len(spans)  # (packed row, offset) of each sample
     for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
@@ -172,7 +173,7 @@ def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: i
         if r == len(fill):
             fill.append(0)
         place[i], fill[r] = (r, fill[r]), fill[r] + n
-    fill += [0] * (_round_up(len(fill), rows_to) - len(fill))
+    fill += [0] * (round_up(len(fill), rows_to) - len(fill))
     dev = batch.input_ids_NT.device
     host = _span_index(spans, torch.device("cpu"), place)
     pos = (torch.arange(L)[None] - torch.tensor(fill)[:, None]).clamp(min=0)
@@ -184,10 +185,6 @@ def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: i
     ids[pr, pc] = batch.input_ids_NT[r, c]
     to_dev = lambda x: _to_device(x, dev)  # noqa: E731
     return ids, to_dev(pos), to_dev(seg), index
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def repack(x_SL: torch.Tensor, index: tuple, N: int, T: int, fill=0) -> torch.Tensor:

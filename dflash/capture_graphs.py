@@ -20,20 +20,21 @@ import sys
 
 import torch
 
+from .regen import supports_static
+
 ROWS_TO = 2
 LEN_TO = 128
 MAX_GRAPHS = 48
 
 
 def graphable(model, device: torch.device) -> bool:
-    """CUDA, SDPA, every layer full attention (a 4D mask given to transformers is used as is by
-    every layer, so a sliding window would be lost)."""
+    """CUDA, SDPA, every layer full attention, as the static-cache decoder needs (a 4D mask
+    given to transformers is used as is by every layer, so a sliding window would be lost)."""
     cfg = model.config
-    types = getattr(cfg, "layer_types", None) or ["full_attention"]
     return (
         device.type == "cuda"
         and getattr(cfg, "_attn_implementation", None) == "sdpa"
-        and all(t == "full_attention" for t in types)
+        and supports_static(model)
         and not getattr(cfg, "use_sliding_window", False)
     )
 

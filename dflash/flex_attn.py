@@ -45,7 +45,7 @@ def flex_available() -> bool:
     return True
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
@@ -55,7 +55,7 @@ def block_mask_from_dense(mask_N1QK: torch.Tensor):
     from torch.nn.attention.flex_attention import BlockMask
 
     N, _, Q, K = mask_N1QK.shape
-    Qp, Kp = _round_up(Q, TILE), _round_up(K, TILE)
+    Qp, Kp = round_up(Q, TILE), round_up(K, TILE)
     dense = F.pad(mask_N1QK[:, 0], (0, Kp - K, 0, Qp - Q))  # [N, Qp, Kp]
     tiles = dense.view(N, Qp // TILE, TILE, Kp // TILE, TILE)
     any_t = tiles.any(dim=4).any(dim=2)  # [N, Qb, Kb]
