@@ -39,14 +39,14 @@ class TokenBatch:
         return replace(
             self,
             **{
-                f.name: _to_device(getattr(self, f.name), device)
+                f.name: to_device(getattr(self, f.name), device)
                 for f in fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },
         )
 
 
-def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
     """Host -> GPU through pinned memory, asynchronously: a copy from pageable memory waits for
     the GPU queue to reach it, which stalls the host behind the previous step's kernels."""
     device = torch.device(device)
@@ -67,10 +67,24 @@ class TargetBatch(TokenBatch):
     next_token_NT: torch.Tensor | None = None
     final_hidden_NTH: torch.Tensor | None = None
     noised: bool = False
+    # the token fields as they were on the host before the target forward: the trainer picks
+    # anchors and labelled positions from them without reading anything back from the device
+    host: TokenBatch | None = None
+
+    def host_tokens(self) -> TokenBatch:
+        """The token fields on the CPU: free when the batch kept its host copy (a colocated
+        capture) or is there, else one device->host copy (a batch streamed from a worker)."""
+        if self.host is not None:
+            return self.host
+        if self.segment_ids_NT.device.type == "cpu":
+            return self
+        return TokenBatch(
+            *(getattr(self, f.name).cpu() for f in fields(TokenBatch)[:5]), self.row_seeds
+        )
 
     @property
     def num_tokens(self) -> int:
-        return int((self.segment_ids_NT >= 0).sum())
+        return int((self.host_tokens().segment_ids_NT >= 0).sum())
 
 
 def collate(samples: list[Sample], pad_id: int = 0, pack_to: int | None = None) -> TokenBatch:
@@ -183,7 +197,7 @@ def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: i
     r, c, pr, pc = index = tuple(t.to(dev, non_blocking=True) for t in host)
     ids = torch.zeros(len(fill), L, dtype=torch.long, device=dev)
     ids[pr, pc] = batch.input_ids_NT[r, c]
-    to_dev = lambda x: _to_device(x, dev)  # noqa: E731
+    to_dev = lambda x: to_device(x, dev)  # noqa: E731
     return ids, to_dev(pos), to_dev(seg), index
 
 
@@ -202,6 +216,7 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
     target's device once."""
     N, T = batch.input_ids_NT.shape
     spans = sample_spans(batch.segment_ids_NT)
+    host = batch if batch.segment_ids_NT.device.type == "cpu" else None
     batch = batch.to(target.device)
     if getattr(target, "packs_capture", False):
         graphs = None if with_final_hidden else getattr(target, "capture_graphs", None)
@@ -222,7 +237,7 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
     else:
         ids, att, spans, index = unpack(batch, spans)
         out = target.capture(ids, att, with_final_hidden=with_final_hidden)
-    tb = TargetBatch(**{f.name: getattr(batch, f.name) for f in fields(TokenBatch)})
+    tb = TargetBatch(**{f.name: getattr(batch, f.name) for f in fields(TokenBatch)}, host=host)
     tb.aux_NTF = repack(out.aux_NTF, index, N, T)
     tb.next_token_NT = repack(out.next_token_NT, index, N, T)
     if out.final_hidden_NTH is not None:

@@ -158,15 +158,27 @@ def block_labels(
 ):
     """labels_NAk, valid_NAk for k = 1..B-1: label = next_token[a+k-1] (the target's greedy token
     for position a+k); valid when a+k is a response token of the anchor's sample."""
+    valid = label_valid(loss_mask_NT, segment_ids_NT, anchors_NA, valid_NA, block_size)
+    return gather_labels(next_token_NT, anchors_NA, block_size), valid
+
+
+def gather_labels(next_token_NT: torch.Tensor, anchors_NA: torch.Tensor, block_size: int):
+    """labels_NAk = next_token[a+k-1] for k = 1..B-1 (clamped inside the row; `label_valid`
+    says which are real)."""
     N, T = next_token_NT.shape
     k = torch.arange(1, block_size, device=anchors_NA.device)
+    src = (anchors_NA[:, :, None] + k - 1).clamp(max=T - 2)
+    return next_token_NT.gather(1, src.reshape(N, -1)).view_as(src)
+
+
+def label_valid(loss_mask_NT, segment_ids_NT, anchors_NA, valid_NA, block_size: int):
+    """bool [N, A, B-1]: a+k is in the row, a response token, and in the anchor's sample. Needs
+    no target output, so the trainer computes it on the host copy of the batch."""
+    N, T = segment_ids_NT.shape
+    k = torch.arange(1, block_size, device=anchors_NA.device)
     tgt_NAk = anchors_NA[:, :, None] + k  # position a+k
-    in_row = tgt_NAk < T
-    tgt_c = tgt_NAk.clamp(max=T - 1)
-    flat = lambda x: x.reshape(N, -1)
-    labels = next_token_NT.gather(1, flat(tgt_c - 1)).view_as(tgt_c)
+    tgt_c = tgt_NAk.clamp(max=T - 1).reshape(N, -1)
     seg_a = segment_ids_NT.gather(1, anchors_NA)[:, :, None]
-    same = segment_ids_NT.gather(1, flat(tgt_c)).view_as(tgt_c) == seg_a
-    resp = loss_mask_NT.bool().gather(1, flat(tgt_c)).view_as(tgt_c)
-    valid = in_row & same & resp & valid_NA[:, :, None]
-    return labels, valid
+    same = segment_ids_NT.gather(1, tgt_c).view(N, -1, block_size - 1) == seg_a
+    resp = loss_mask_NT.bool().gather(1, tgt_c).view(N, -1, block_size - 1)
+    return (tgt_NAk < T) & same & resp & valid_NA[:, :, None]

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Protocol
 
+import torch
 from tqdm.auto import tqdm
 
 from .batch import TargetBatch
@@ -78,10 +79,22 @@ def train_loop(
     stop = StopRequest()
     interrupted = None
     first = True  # this process's first step: kernels compile there (flex attention, compile)
+    clock = StepClock(trainer.device)
     with stop:
         while trainer.step < tc.steps:
             interrupted, final = _step(
-                cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop
+                cfg,
+                trainer,
+                source,
+                evaluator,
+                logger,
+                run_dir,
+                writer,
+                bar,
+                last,
+                stop,
+                clock,
+                first,
             )
             if first:
                 first = False
@@ -135,29 +148,55 @@ def _plot(run_dir: str, logger: Logger) -> None:
         logger.info(f"plots: skipped ({e}; pip install 'dflash[plots]')")
 
 
-def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop):
+class StepClock:
+    """Where the steps' time goes, read at log steps only (reading waits for the GPU).
+
+    A step queues its kernels without waiting for them, so host wall times per step measure
+    launches: on CUDA the target and drafter times are the GPU time between events recorded
+    around each part of the logged step; on CPU they are wall times. Throughput counts the
+    interval since the last log step: its steps' host time plus the wait for the GPU to catch
+    up at the read (eval and checkpoint time left out)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.marks: list = []
+        self.busy_s = 0.0  # host time of the steps since the last log step, and the final wait
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def parts(self) -> tuple[float, float]:
+        """(target, drafter) seconds of the step just marked (start, batches, step)."""
+        m0, m1, m2 = self.marks[-3:]
+        self.marks = []
+        if self.cuda:
+            m2.synchronize()
+            return m0.elapsed_time(m1) / 1e3, m1.elapsed_time(m2) / 1e3
+        return m1 - m0, m2 - m1
+
+
+def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, first):
     """One step: train; maybe log, eval, save. Returns (Interrupted when Ctrl-C asked to stop,
     whether this was the last step: train.steps reached or the time budget spent)."""
     tc = cfg.train
     budget = trainer.budget
     b0 = budget.now() if budget is not None else None
     t0 = time.perf_counter()
+    clock.marks = []
+    clock.mark()
     batches = source.next_batches()
-    t1 = time.perf_counter()
-    metrics = trainer.train_step(batches)
-    t2 = time.perf_counter()
+    clock.mark()
+    figures = trainer.step_async(batches)
+    clock.mark()
+    clock.busy_s += time.perf_counter() - t0
     step = trainer.step
-    metrics.update(
-        {
-            "perf/target_s": t1 - t0,
-            "perf/drafter_s": t2 - t1,
-            "perf/tokens_per_s": metrics["train/tokens"] / max(t2 - t0, 1e-9),
-            "data/epoch": source.stream.epoch,
-        }
-    )
-    metrics.update(source.step_metrics(t1 - t0, t2 - t1))
+    metrics = {"data/epoch": source.stream.epoch}
     final = step == tc.steps
-    post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
     if budget is not None:
         budget.note("step", budget.now() - b0)
         final = final or budget.agreed_done(
@@ -165,12 +204,24 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         )
         metrics["time/run_min"] = budget.elapsed() / 60.0
         metrics["time/budget_progress"] = budget.progress()
-        post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
     bar.update(1)
-    bar.set_postfix(post)
-    if step % tc.log_every == 0 or final:
+    log = step % tc.log_every == 0 or final
+    if log or first:  # the first step is read for its timing line (kernels compile there)
+        t_read = time.perf_counter()
+        metrics.update(figures.read())  # the step's figures: the only host sync of the interval
+        metrics["perf/target_s"], metrics["perf/drafter_s"] = clock.parts()
+        clock.busy_s += time.perf_counter() - t_read
+    if log:
+        interval = trainer.interval_counts()
+        metrics["perf/tokens_per_s"] = interval["tokens"] / max(clock.busy_s, 1e-9)
+        clock.busy_s = 0.0
+        metrics.update(source.step_metrics(metrics["perf/target_s"], metrics["perf/drafter_s"]))
         metrics.update(source.interval_metrics())
         logger.log(metrics, step)
+        post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
+        if budget is not None:
+            post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
+        bar.set_postfix(post)
     last.update(metrics)
     interrupted = stop.agreed(trainer.dp_group if trainer.dp_world > 1 else None, trainer.device)
     periodic = step % tc.save_every == 0 or final

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .batch import TargetBatch, add_input_noise
+from .batch import TargetBatch, add_input_noise, to_device
 from .blocks import (
     Blocks,
-    block_labels,
     build_blocks,
     candidate_anchors,
+    gather_labels,
+    label_valid,
     mask_rules,
     sample_anchors,
 )
@@ -38,12 +39,37 @@ class Prepared:
     """One micro-batch made ready for the drafter: blocks at sampled anchors and their labels.
 
     labels_NAK / label_valid_NAK: the target's next token at block positions 1..B-1 and whether
-    it is a real label; weights_NAK: position weight x validity (the loss denominator)."""
+    it is a real label; weights_NAK: position weight x validity (the loss denominator).
+    label_index_M / hidden_index_M: where the M real labels are in labels_NAK.flatten() and in
+    the drafter's [N*Q] outputs (chosen on the host: indexing with them needs no sync);
+    num_labels, num_tokens: host counts."""
 
     blocks: Blocks
     labels_NAK: torch.Tensor
     label_valid_NAK: torch.Tensor
     weights_NAK: torch.Tensor
+    label_index_M: torch.Tensor
+    hidden_index_M: torch.Tensor
+    num_labels: int
+    num_tokens: int
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, A, B-1, ...] -> its M labelled entries, in row-major order (= x[label_valid])."""
+        return x.reshape(-1, *x.shape[3:]).index_select(0, self.label_index_M)
+
+
+class StepFigures:
+    """A step's figures, on the device until `read()` (one host sync; the loop reads them at log
+    steps only, so the host queues the next steps' kernels meanwhile)."""
+
+    KEYS = ("loss", "acc", "tokens", "labels", "empty_micro_batches", "grad_norm")
+
+    def __init__(self, stats: torch.Tensor, lr: float):
+        self.stats, self.lr = stats, lr
+
+    def read(self) -> dict:
+        out = {f"train/{k}": v for k, v in zip(self.KEYS, self.stats.tolist())}
+        return {**out, "train/lr": self.lr}
 
 
 compute_dtype = resolve_dtype  # same rule for the target's and the drafter's compute dtype
@@ -87,6 +113,7 @@ class DrafterTrainer:
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
         self.attn_kernel = resolve_kernel(cfg.attn_kernel, device)
         self.step = 0
+        self._interval = None  # summed step figures since interval_counts() last read them
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.cfg
@@ -104,16 +131,19 @@ class DrafterTrainer:
                 "noise (noised inputs would teach the drafter labels the target never "
                 "produces); this batch was already noised"
             )
-        cand = candidate_anchors(tb.segment_ids_NT, tb.loss_mask_NT)
+        # Anchors and labelled positions come from the host copy of the token fields: nothing
+        # in a step reads the device back (the step's figures are read at log steps only).
+        host, B = tb.host_tokens(), self.spec.block_size
+        tb = tb.to(self.device)
+        dev = tb.input_ids_NT.device
+        cand = candidate_anchors(host.segment_ids_NT, host.loss_mask_NT)
         seeds = [row_seed(self.cfg.seed, step, int(k)) for k in tb.row_seeds]
-        anchors, valid = sample_anchors(cand, self.cfg.max_anchors, seeds)
-        labels, lvalid = block_labels(
-            tb.next_token_NT,
-            tb.loss_mask_NT,
-            tb.segment_ids_NT,
-            anchors,
-            valid,
-            self.spec.block_size,
+        anchors_h, valid_h = sample_anchors(cand, self.cfg.max_anchors, seeds)
+        lvalid_h = label_valid(host.loss_mask_NT, host.segment_ids_NT, anchors_h, valid_h, B)
+        label_idx = lvalid_h.flatten().nonzero().flatten()
+        n, k = label_idx.div(B - 1, rounding_mode="floor"), label_idx % (B - 1)
+        anchors, valid, lvalid, label_idx, hidden_idx = (
+            to_device(x, dev) for x in (anchors_h, valid_h, lvalid_h, label_idx, n * B + k + 1)
         )
         blocks = build_blocks(
             tb.input_ids_NT,
@@ -121,12 +151,26 @@ class DrafterTrainer:
             tb.segment_ids_NT,
             anchors,
             valid,
-            self.spec.block_size,
+            B,
             self.spec.mask_token_id,
             mask_rules(self.spec),
         )
         blocks.masks = to_kernel_masks(blocks.masks, self.attn_kernel)
-        return Prepared(blocks, labels, lvalid, self.weights_k[None, None, :] * lvalid)
+        # the device's loss mask has the last word: a deferred screen (build.screen_batch) may
+        # have dropped a sample after the host copy was taken; its labels then weigh nothing
+        T = tb.loss_mask_NT.shape[1]
+        tgt = (anchors[:, :, None] + torch.arange(1, B, device=dev)).clamp(max=T - 1)
+        lvalid = lvalid & tb.loss_mask_NT.gather(1, tgt.flatten(1)).view_as(tgt)
+        return Prepared(
+            blocks,
+            gather_labels(tb.next_token_NT, anchors, B),
+            lvalid,
+            self.weights_k[None, None, :] * lvalid,
+            label_idx,
+            hidden_idx,
+            num_labels=label_idx.numel(),
+            num_tokens=int((host.segment_ids_NT >= 0).sum()),
+        )
 
     def autocast(self):
         if self.dtype == torch.float32:
@@ -134,8 +178,8 @@ class DrafterTrainer:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def forward_sums(self, tb: TargetBatch, prepared: Prepared, model: nn.Module | None = None):
-        blocks, labels, lvalid = prepared.blocks, prepared.labels_NAK, prepared.label_valid_NAK
-        weights = prepared.weights_NAK
+        blocks, p = prepared.blocks, prepared
+        labels, weights = p.select(p.labels_NAK), p.select(p.weights_NAK)
         model = model or self.model
         N, A = blocks.anchors_NA.shape
         B = self.spec.block_size
@@ -149,7 +193,7 @@ class DrafterTrainer:
                 aux_NTF=tb.aux_NTF.to(self.dtype),
                 ctx_pos_NT=tb.position_ids_NT,
             )
-            h_M = h.view(N, A, B, -1)[:, :, 1:][lvalid]
+            h_M = h.reshape(N * A * B, -1).index_select(0, p.hidden_index_M)
             # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
             w_lm = self.heads.lm_head.weight
             transform = self.drafter.logit_transform
@@ -157,8 +201,8 @@ class DrafterTrainer:
                 return fused_weighted_ce_sum(
                     h_M,
                     w_lm,
-                    labels[lvalid],
-                    weights[lvalid],
+                    labels,
+                    weights,
                     chunk=self.cfg.lm_head_chunk,
                     dtype=self.dtype,
                     output_multiplier=self.spec.output_multiplier,
@@ -168,33 +212,33 @@ class DrafterTrainer:
                 return weighted_ce_sum(
                     h_M,
                     w_lm,
-                    labels[lvalid],
-                    weights[lvalid],
+                    labels,
+                    weights,
                     chunk=self.cfg.lm_head_chunk,
                     logit_transform=transform,
                 )
-            th = self._target_hidden_at_labels(tb, blocks, lvalid)
+            th = self._target_hidden_at_labels(tb, blocks, p)
             return soft_kl_sum(
                 h_M,
                 w_lm,
                 th,
-                weights[lvalid],
+                weights,
                 chunk=self.cfg.lm_head_chunk,
                 logit_transform=transform,
             ), h_M.new_zeros(())
 
-    def _target_hidden_at_labels(self, tb, blocks, lvalid):
+    def _target_hidden_at_labels(self, tb, blocks, prepared: Prepared):
         if tb.final_hidden_NTH is None:
             raise ValueError(
                 "train.loss=soft_kl needs the target's final hidden states in the batch"
             )
-        k = torch.arange(1, self.spec.block_size, device=lvalid.device)
+        k = torch.arange(1, self.spec.block_size, device=blocks.anchors_NA.device)
         src = (blocks.anchors_NA[:, :, None] + k - 1).clamp(max=tb.final_hidden_NTH.shape[1] - 1)
         N = src.shape[0]
         th = tb.final_hidden_NTH.gather(
             1, src.view(N, -1, 1).expand(-1, -1, tb.final_hidden_NTH.shape[-1])
         )
-        return th.view(*src.shape, -1)[lvalid]
+        return prepared.select(th.view(*src.shape, -1))
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_world > 1:
@@ -203,11 +247,16 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ step
     def train_step(self, micro: list[TargetBatch]) -> dict:
-        """sum-then-divide by the global weight sum: grad accumulation and DP give the gradient
-        of one big batch."""
+        """One optimizer step; returns its figures (reading them back is one host sync)."""
+        return self.step_async(micro).read()
+
+    def step_async(self, micro: list[TargetBatch]) -> StepFigures:
+        """One optimizer step without a host sync: the figures stay on the device until read.
+        sum-then-divide by the global weight sum: grad accumulation and DP give the gradient of
+        one big batch."""
         step = self.step
         self.model.train()
-        prepared = [self.prepare(tb.to(self.device), step) for tb in micro]
+        prepared = [self.prepare(tb, step) for tb in micro]
         w_sum = self._all_reduce(torch.stack([p.weights_NAK.sum() for p in prepared]).sum().float())
         denom = w_sum.clamp(min=1e-8)
         loss_total = torch.zeros((), device=self.device)
@@ -230,35 +279,31 @@ class DrafterTrainer:
             self._progress = self.budget.progress()
         self.sched.step()
         self.step += 1
-        # Counted on the device and read back once: the step's only host sync after anchor
-        # sampling (a per-batch `int(...)` each cost a sync, ~9 ms per step on an H200).
-        tokens = sum((tb.segment_ids_NT >= 0).sum() for tb in micro)
-        labels = sum(p.label_valid_NAK.sum() for p in prepared)
-        stats = self._all_reduce(
-            torch.stack(
-                [
-                    loss_total,
-                    correct_total,
-                    tokens.float(),
-                    labels.float(),
-                    # a micro-batch without labels (one-token responses) still runs forward and
-                    # backward (a zero loss on the graph), so DP peers stay in lockstep
-                    sum((p.label_valid_NAK.sum() == 0).float() for p in prepared),
-                ]
-            )
+        counts = torch.tensor(
+            [
+                float(sum(p.num_tokens for p in prepared)),
+                float(sum(p.num_labels for p in prepared)),
+                # a micro-batch without labels (one-token responses) still runs forward and
+                # backward (a zero loss on the graph), so DP peers stay in lockstep
+                float(sum(p.num_labels == 0 for p in prepared)),
+            ]
         )
-        loss, acc, n_tok, n_lab, n_empty, gn = torch.cat(
-            [stats[:2] / denom, stats[2:], grad_norm.float().reshape(1).to(stats.device)]
-        ).tolist()
-        return {
-            "train/loss": loss,
-            "train/acc": acc,
-            "train/lr": lr,
-            "train/grad_norm": gn,
-            "train/tokens": n_tok,
-            "train/labels": n_lab,
-            "train/empty_micro_batches": n_empty,
-        }
+        stats = self._all_reduce(
+            torch.cat([torch.stack([loss_total, correct_total]), to_device(counts, self.device)])
+        )
+        stats = torch.cat(
+            [stats[:2] / denom, stats[2:], grad_norm.float().reshape(1).to(self.device)]
+        )
+        self._interval = stats if self._interval is None else self._interval + stats
+        return StepFigures(stats, lr)
+
+    def interval_counts(self) -> dict:
+        """Tokens and labels of all steps since the last call, summed over the ranks (one sync)."""
+        if self._interval is None:
+            return {"tokens": 0.0, "labels": 0.0}
+        tokens, labels = self._interval[2:4].tolist()
+        self._interval = None
+        return {"tokens": tokens, "labels": labels}
 
     # ------------------------------------------------------------------ state
     def drafter_for_io(self) -> DFlashDrafter:

@@ -93,9 +93,9 @@ def fake_time(monkeypatch):
 
     clock = Clock()
     monkeypatch.setattr(tr, "TimeBudget", functools.partial(TimeBudget, now=clock))
-    step, run = tr.DrafterTrainer.train_step, ev.Evaluator.run
+    step, run = tr.DrafterTrainer.step_async, ev.Evaluator.run
 
-    def train_step(self, micro):
+    def step_async(self, micro):
         clock.t += 4.0
         return step(self, micro)
 
@@ -103,7 +103,7 @@ def fake_time(monkeypatch):
         clock.t += 3.0
         return run(self, drafter, heads)
 
-    monkeypatch.setattr(tr.DrafterTrainer, "train_step", train_step)
+    monkeypatch.setattr(tr.DrafterTrainer, "step_async", step_async)
     monkeypatch.setattr(ev.Evaluator, "run", eval_run)
     return clock
 

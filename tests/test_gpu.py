@@ -189,3 +189,49 @@ def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype):
         agree = (got.next_token_NT[real] == ref.next_token_NT[real]).float().mean()
         assert agree == 1.0 if dtype == "float32" else agree >= 0.98
     assert len(graphs.graphs) == 2 and not graphs.failed  # (2, 128) twice, (2, 256) once
+
+
+def test_colocated_step_never_waits_for_the_gpu():
+    """After warm-up (kernel compiles, graph capture, the packed-capture check), a colocated
+    step (packed CUDA-graph capture, deferred screen, drafter step with flex attention and the
+    fused CE) queues its work without one host sync: sync debug mode "error" raises on any."""
+    import math
+
+    from dflash.batch import Sample, collate, target_forward
+    from dflash.build import screen_batch
+    from dflash.config import TrainConfig
+    from dflash.shape import Heads
+    from dflash.target import load_target
+    from dflash.trainer import DrafterTrainer
+
+    t = load_target(target_cfg("tiny_llama", device="cuda", dtype="bfloat16"), num_aux=3)
+    cfg = TrainConfig(steps=10, max_anchors=16)
+    dev = torch.device("cuda")
+    tr = DrafterTrainer(make_drafter(t), Heads(t.embed_tokens, t.lm_head), cfg, dev)
+    assert tr.attn_kernel == "flex" and t.capture_graphs is not None
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        collate(
+            [
+                Sample(i, torch.randint(0, 500, (n,), generator=g), torch.arange(n) >= n // 3)
+                for i, n in enumerate(lengths)
+            ],
+            pad_id=0,
+        )
+        for lengths in ([60, 17, 33, 90], [70, 20, 41, 85])
+    ]
+
+    def step(b):
+        tb, pending = screen_batch(target_forward(t, b), "skip", defer=True)
+        return tr.step_async([tb]), pending
+
+    for b in batches + batches:
+        step(b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches:
+            figures, pending = step(b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert math.isfinite(figures.read()["train/loss"]) and pending.read() == []

@@ -198,3 +198,47 @@ def test_colocated_bad_sample_is_reported_at_the_log_step(tmp_path, monkeypatch,
         return
     out = run_colocated(cfg, str(tmp_path / "run"))
     assert out["pipe/bad_samples"] == 1 and math.isfinite(out["train/loss"])
+
+
+def test_labels_picked_on_the_host_select_what_the_boolean_mask_selects(tiny_qwen):
+    """prepare() picks anchors and labelled positions from the batch's host copy (no device
+    read): its index selection equals boolean-mask indexing of the block outputs, and a batch
+    without its host copy (e.g. streamed from a worker) gets the same anchors."""
+    import dataclasses
+
+    s = _samples(tiny_qwen, n=5)
+    tb = target_forward(tiny_qwen, collate(s, pack_to=50))
+    assert tb.host is not None and tb.segment_ids_NT.unique().numel() > 2  # packed rows
+    tr = _trainer(tiny_qwen, make_drafter(tiny_qwen))
+    p = tr.prepare(tb, 3)
+    N, A = p.blocks.anchors_NA.shape
+    B = tr.spec.block_size
+    assert p.num_labels == int(p.label_valid_NAK.sum()) > 0
+    assert torch.equal(p.select(p.labels_NAK), p.labels_NAK[p.label_valid_NAK])
+    h = torch.randn(N, A * B, 7)
+    assert torch.equal(
+        h.reshape(N * A * B, -1).index_select(0, p.hidden_index_M),
+        h.view(N, A, B, -1)[:, :, 1:][p.label_valid_NAK],
+    )
+    q = tr.prepare(dataclasses.replace(tb, host=None), 3)
+    assert torch.equal(q.blocks.anchors_NA, p.blocks.anchors_NA)
+    assert torch.equal(q.weights_NAK, p.weights_NAK)
+
+
+def test_sample_dropped_after_the_host_copy_weighs_nothing(tiny_qwen):
+    """A deferred screen zeroes a bad sample's loss mask on the device after the host copy was
+    taken: its labels get zero weight, the others keep theirs, and the step stays finite."""
+    from dflash.build import screen_batch
+
+    s = _samples(tiny_qwen, n=4)
+    tb = target_forward(tiny_qwen, collate(s))
+    tr = _trainer(tiny_qwen, make_drafter(tiny_qwen))
+    clean = tr.prepare(tb, 0)
+    tb.aux_NTF[1, 3, 0] = float("nan")  # sample 1 (row 1) goes bad
+    out, pending = screen_batch(tb, "skip", defer=True)
+    p = tr.prepare(out, 0)
+    assert torch.equal(p.blocks.anchors_NA, clean.blocks.anchors_NA)  # chosen on the host
+    assert p.weights_NAK[1].sum() == 0 and clean.weights_NAK[1].sum() > 0
+    assert torch.equal(p.weights_NAK[[0, 2, 3]], clean.weights_NAK[[0, 2, 3]])
+    m = tr.train_step([out])
+    assert math.isfinite(m["train/loss"]) and pending.read() == [1]
