@@ -272,6 +272,17 @@ def main() -> None:
     # steps); train_step reads them back every step (one sync): both timed, same batches
     step_fn = getattr(tr, "step_async", tr.train_step)
     s_step, tps_step, tf_step = measure("step", lambda i: step_fn([tbs[i % nb]]), step_flops)
+    unfused = {}
+    try:  # the drafter's elementwise chains eager instead of fused (dflash.fuse), same process
+        from dflash import fuse
+
+        fuse.ENABLED = False
+        unfused = dict(
+            zip(("s", "tps"), measure("step_unfused", lambda i: step_fn([tbs[i % nb]]), step_flops))
+        )
+        fuse.ENABLED = True
+    except ImportError:
+        pass
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
     s_loop, tps_loop, tf_loop = measure("loop", lambda i: step_fn([capture(i)]), loop_flops)
     s_rd, tps_rd, _ = measure("loop_read", lambda i: tr.train_step([capture(i)]), loop_flops)
@@ -300,6 +311,11 @@ def main() -> None:
         "step_tokens_per_s": tps_step,
         "step_tflops": tf_step,
         "step_frac_peak": tf_step / peak,
+        **(
+            {"step_unfused_ms": unfused["s"] * 1e3, "step_fused_speedup": unfused["s"] / s_step}
+            if unfused
+            else {}
+        ),
         "loop_ms": s_loop * 1e3,
         "loop_tokens_per_s": tps_loop,
         "loop_tflops": tf_loop,

@@ -16,10 +16,24 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .flex_attn import flex_attention, is_block_mask
+from .fuse import fused
 from .rope import Rotary, apply_rope
 from .spec import DrafterSpec
 
 __all__ = ["DFlashDrafter", "DrafterSpec", "Rotary", "num_params"]
+
+
+@fused
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@fused
+def _silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -29,10 +43,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 class DFlashAttention(nn.Module):
@@ -91,6 +102,8 @@ class DFlashMLP(nn.Module):
         self.act = ACT2FN[spec.hidden_act]
 
     def forward(self, x):
+        if isinstance(self.act, nn.SiLU):  # one fused kernel on CUDA (dflash.fuse)
+            return self.down_proj(_silu_gate(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 

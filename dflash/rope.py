@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .fuse import fused
+
 
 class Rotary:
     """RoPE frequencies built from the spec's full rope settings by transformers' own rope
@@ -68,6 +70,7 @@ class Rotary:
         return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
+@fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, h, L, d]; cos/sin [N, L, d]."""
     cos, sin = cos[:, None], sin[:, None]
