@@ -22,6 +22,7 @@ if os.environ.get("DFLASH_ROOT"):
 
 import argparse
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -188,6 +189,7 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ab-rounds", type=int, default=4, help="alternating rounds of each A/B pair")
     ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel (this branch)")
     ap.add_argument("--compile", action="store_true", help="train.compile (this branch)")
     ap.add_argument(
@@ -271,21 +273,43 @@ def main() -> None:
     # the loop's step queues its kernels and leaves its figures on the device (read at log
     # steps); train_step reads them back every step (one sync): both timed, same batches
     step_fn = getattr(tr, "step_async", tr.train_step)
-    s_step, tps_step, tf_step = measure("step", lambda i: step_fn([tbs[i % nb]]), step_flops)
-    unfused = {}
-    try:  # the drafter's elementwise chains eager instead of fused (dflash.fuse), same process
+    try:  # the drafter's elementwise chains fused (dflash.fuse) or eager, same process
         from dflash import fuse
-
-        fuse.ENABLED = False
-        unfused = dict(
-            zip(("s", "tps"), measure("step_unfused", lambda i: step_fn([tbs[i % nb]]), step_flops))
-        )
-        fuse.ENABLED = True
     except ImportError:
-        pass
+        fuse = None
+
+    def fused(on, fn):
+        def run(i):
+            if fuse is not None:
+                fuse.ENABLED = on
+            return fn(i)
+
+        return run
+
+    def ab(fa, fb, rounds=args.ab_rounds):
+        """Median seconds per call of fa and fb, timed in alternating order (no order bias)."""
+        ta, tb_ = [], []
+        for r in range(rounds):
+            pair = ((fa, ta), (fb, tb_)) if r % 2 == 0 else ((fb, tb_), (fa, ta))
+            for fn, out in pair:
+                out.append(throughput(fn, args.steps, args.warmup, dev))
+        return statistics.median(ta), statistics.median(tb_)
+
+    on = fuse is not None and fuse.ENABLED
+    one = lambda i: step_fn([tbs[i % nb]])  # noqa: E731
+    s_step, s_unf = ab(fused(on, one), fused(False, one))
+    tps_step, tf_step = mean(tokens) / s_step, mean(step_flops) / s_step / 1e12
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
-    s_loop, tps_loop, tf_loop = measure("loop", lambda i: step_fn([capture(i)]), loop_flops)
-    s_rd, tps_rd, _ = measure("loop_read", lambda i: tr.train_step([capture(i)]), loop_flops)
+    s_loop, s_rd = ab(
+        fused(on, lambda i: step_fn([capture(i)])),
+        fused(on, lambda i: tr.train_step([capture(i)])),
+    )
+    tps_loop, tf_loop = mean(tokens) / s_loop, mean(loop_flops) / s_loop / 1e12
+    tps_rd = mean(tokens) / s_rd
+    s_fused = None
+    if fuse is not None and not on:  # the default is eager: time the fused chains beside it
+        s_fused, _ = ab(fused(True, one), fused(False, one))
+    unfused = {"s": s_unf} if fuse is not None else {}
     ideal = 1 / (1 / tps_cap + 1 / tps_step)
     res = {
         "target": args.target,
@@ -312,7 +336,12 @@ def main() -> None:
         "step_tflops": tf_step,
         "step_frac_peak": tf_step / peak,
         **(
-            {"step_unfused_ms": unfused["s"] * 1e3, "step_fused_speedup": unfused["s"] / s_step}
+            {
+                "fuse_default": on,
+                "step_eager_ms": unfused["s"] * 1e3,
+                "step_fused_ms": (s_fused or s_step) * 1e3,
+                "step_fused_speedup": unfused["s"] / (s_fused or s_step),
+            }
             if unfused
             else {}
         ),

@@ -216,14 +216,13 @@ class TrainConfig:
     lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
     compile: bool = False  # torch.compile the drafter (fuses norms, RoPE, casts; CUDA)
+    fuse: bool = False  # CUDA: one compiled kernel per RMSNorm / RoPE / SwiGLU (dflash.fuse)
     seed: int = 0  # init, anchors, noise
     log_every: int = 10  # steps between logs
     eval_every: int = 100  # steps between evals
     save_every: int = 100  # steps between saves
     keep_last: int = 2  # checkpoints kept
-    # Ctrl-C: finish the step, save it, print the resume command (a step costs less to save than
-    # up to save_every steps cost to redo)
-    save_on_interrupt: bool = True
+    save_on_interrupt: bool = True  # Ctrl-C: finish the step, save it, print the resume command
     dist: str = "ddp"  # trainer ranks: ddp | fsdp | deepspeed (dflash.parallelize)
     zero_stage: int = 1  # train.dist=deepspeed: ZeRO stage 1, 2 or 3
 

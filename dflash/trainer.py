@@ -23,6 +23,7 @@ from .blocks import (
     mask_rules,
     sample_anchors,
 )
+from . import fuse
 from .budget import TimeBudget, budget_lr
 from .config import TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
@@ -102,6 +103,7 @@ class DrafterTrainer:
         self.par = parallelize(self.drafter, cfg, device, dp_group)
         self.model: nn.Module = self.par.model
         self.opt = self.par.optimizer
+        fuse.ENABLED = cfg.fuse  # process-wide: the in-loop eval runs the same kernels
         if cfg.compile:  # shapes change with every batch: dynamic after the first recompile
             self.model = torch.compile(self.model)
         # train.time_budget_min: the schedule follows the clock (dflash.budget), not the step

@@ -253,7 +253,7 @@ def test_fused_elementwise_chains_match_eager_on_cuda():
     bpos = (torch.arange(A)[:, None] * 5 + 10 + torch.arange(B)).reshape(1, -1).expand(N, -1).cuda()
     mask = torch.rand(N, 1, A * B, T + A * B, generator=g).cuda() < 0.7
     masks = {k: mask for k in set(d.spec.layer_types)}
-    outs = []
+    outs, default = [], fuse.ENABLED
     for on in (False, True):
         fuse.ENABLED = on
         d.zero_grad(set_to_none=True)
@@ -261,7 +261,7 @@ def test_fused_elementwise_chains_match_eager_on_cuda():
             h = d(emb, bpos, masks, aux_NTF=aux, ctx_pos_NT=pos)
         h.float().square().mean().backward()
         outs.append((h.float(), {k: p.grad.clone() for k, p in d.named_parameters()}))
-    fuse.ENABLED = True
+    fuse.ENABLED = default
     (h0, g0), (h1, g1) = outs
     torch.testing.assert_close(h1, h0, atol=3e-2, rtol=3e-2)
     for k in g0:
