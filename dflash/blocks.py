@@ -148,23 +148,9 @@ def block_attention_mask(
     return torch.cat([ctx.reshape(N, A * B, T), blk], dim=-1)[:, None]
 
 
-def block_labels(
-    next_token_NT: torch.Tensor,
-    loss_mask_NT: torch.Tensor,
-    segment_ids_NT: torch.Tensor,
-    anchors_NA: torch.Tensor,
-    valid_NA: torch.Tensor,
-    block_size: int,
-):
-    """labels_NAk, valid_NAk for k = 1..B-1: label = next_token[a+k-1] (the target's greedy token
-    for position a+k); valid when a+k is a response token of the anchor's sample."""
-    valid = label_valid(loss_mask_NT, segment_ids_NT, anchors_NA, valid_NA, block_size)
-    return gather_labels(next_token_NT, anchors_NA, block_size), valid
-
-
 def gather_labels(next_token_NT: torch.Tensor, anchors_NA: torch.Tensor, block_size: int):
-    """labels_NAk = next_token[a+k-1] for k = 1..B-1 (clamped inside the row; `label_valid`
-    says which are real)."""
+    """labels_NAk for k = 1..B-1: next_token[a+k-1], the target's greedy token for position a+k
+    (clamped inside the row; `label_valid` says which are real)."""
     N, T = next_token_NT.shape
     k = torch.arange(1, block_size, device=anchors_NA.device)
     src = (anchors_NA[:, :, None] + k - 1).clamp(max=T - 2)

@@ -28,5 +28,4 @@ def fused(fn):
             compiled = torch.compile(fn, dynamic=True)
         return compiled(x, *args)
 
-    run.eager = fn
     return run

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import fuse
 from .batch import TargetBatch, add_input_noise, to_device
 from .blocks import (
     Blocks,
@@ -23,7 +24,6 @@ from .blocks import (
     mask_rules,
     sample_anchors,
 )
-from . import fuse
 from .budget import TimeBudget, budget_lr
 from .config import TrainConfig
 from .drafter import DFlashDrafter, DrafterSpec
