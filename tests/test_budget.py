@@ -130,6 +130,11 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
     assert fake_time.t <= 60.0  # the final eval fits in the budget
     rows = _rows(run_dir)
     assert any(r["step"] == last and "eval/tau" in r for r in rows)  # final eval
+    # the step's figures are read at log steps only, each with its timing and the interval's rate
+    train_rows = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train_rows] == list(range(1, last + 1))  # train.log_every=1
+    for r in train_rows:
+        assert r["perf/tokens_per_s"] > 0 and r["perf/target_s"] >= 0 and r["perf/drafter_s"] > 0
     lrs = [r["train/lr"] for r in rows if "train/lr" in r]
     peak = max(lrs)
     assert lrs.index(peak) in range(1, 4) and lrs[-1] < 0.05 * peak  # warmup, then cosine

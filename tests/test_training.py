@@ -242,3 +242,20 @@ def test_sample_dropped_after_the_host_copy_weighs_nothing(tiny_qwen):
     assert torch.equal(p.weights_NAK[[0, 2, 3]], clean.weights_NAK[[0, 2, 3]])
     m = tr.train_step([out])
     assert math.isfinite(m["train/loss"]) and pending.read() == [1]
+
+
+def test_interval_counts_sum_every_step_since_the_last_read(tiny_qwen):
+    """step_async leaves the figures on the device; interval_counts() sums the tokens and labels
+    of every step since it was last called (the loop's tokens/s over a log interval)."""
+    s = _samples(tiny_qwen)
+    tr = _trainer(tiny_qwen, make_drafter(tiny_qwen))
+    figs = [tr.step_async([target_forward(tiny_qwen, collate(s[i : i + 2]))]) for i in (0, 1, 2)]
+    read = [f.read() for f in figs]
+    got = tr.interval_counts()
+    assert got["tokens"] == sum(r["train/tokens"] for r in read) > 0
+    assert got["labels"] == sum(r["train/labels"] for r in read) > 0
+    assert tr.interval_counts() == {"tokens": 0.0, "labels": 0.0}
+    assert all(
+        r["train/tokens"] == sum(x.input_ids.numel() for x in s[i : i + 2])
+        for i, r in enumerate(read)
+    )
