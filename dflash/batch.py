@@ -73,7 +73,7 @@ class TargetBatch(TokenBatch):
 
     def host_tokens(self) -> TokenBatch:
         """The token fields on the CPU: free when the batch kept its host copy (a colocated
-        capture) or is there, else one device->host copy (a batch streamed from a worker)."""
+        capture, a batch received from a worker) or is there, else one device->host copy."""
         if self.host is not None:
             return self.host
         if self.segment_ids_NT.device.type == "cpu":

@@ -19,9 +19,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-import torch
-import torch.distributed as dist
-
 from . import PROCESS_T0
 from .loss import cosine_decay
 
@@ -88,14 +85,6 @@ class TimeBudget:
 
     def done(self) -> bool:
         return self.progress() >= 1.0
-
-    def agreed_done(self, group=None, device=None) -> bool:
-        """Every data-parallel rank stops after the same step: any rank's clock ends them all."""
-        if group is None:
-            return self.done()
-        flag = torch.tensor([float(self.done())], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item() > 0)
 
     def state_dict(self) -> dict:
         return {

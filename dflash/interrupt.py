@@ -46,11 +46,13 @@ class StopRequest:
             flush=True,
         )
 
-    def agreed(self, group=None, device: torch.device | None = None) -> bool:
-        """Every data-parallel rank must stop after the same step (a rank that stopped alone
-        would leave its peers waiting in the next all-reduce): any rank's request stops all."""
-        if group is None:
-            return self.requested
-        flag = torch.tensor([float(self.requested)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item() > 0)
+
+def agree_any(flags: list[bool], group=None, device: torch.device | None = None) -> list[bool]:
+    """Each flag as true on every data-parallel rank if it is true on any (one all-reduce for
+    all of them): every rank must stop after the same step (a rank that stopped alone would leave
+    its peers waiting in the next all-reduce), whether its clock ran out or Ctrl-C reached it."""
+    if group is None:
+        return list(flags)
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [v > 0 for v in t.tolist()]

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from .batch import TargetBatch
 from .checkpoint import save_checkpoint
 from .config import RunConfig
-from .interrupt import Interrupted, StopRequest
+from .interrupt import Interrupted, StopRequest, agree_any
 from .loggers import Logger
 from .stream import SampleStream
 from .trainer import DrafterTrainer
@@ -199,9 +199,13 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
     final = step == tc.steps
     if budget is not None:
         budget.note("step", budget.now() - b0)
-        final = final or budget.agreed_done(
-            trainer.dp_group if trainer.dp_world > 1 else None, trainer.device
-        )
+    out_of_time, interrupted = agree_any(
+        [budget is not None and budget.done(), stop.requested],
+        trainer.dp_group if trainer.dp_world > 1 else None,
+        trainer.device,
+    )
+    final = final or out_of_time
+    if budget is not None:
         metrics["time/run_min"] = budget.elapsed() / 60.0
         metrics["time/budget_progress"] = budget.progress()
     bar.update(1)
@@ -223,7 +227,6 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
             post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
         bar.set_postfix(post)
     last.update(metrics)
-    interrupted = stop.agreed(trainer.dp_group if trainer.dp_world > 1 else None, trainer.device)
     periodic = step % tc.save_every == 0 or final
     evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or final)
     save = periodic or (interrupted and tc.save_on_interrupt)

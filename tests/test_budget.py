@@ -170,3 +170,30 @@ def test_budget_with_split_topology_is_refused_before_anything_runs():
         check_dist(cfg)
     with pytest.raises(ValueError, match="must be > 0"):
         TrainConfig(time_budget_min=0).validate()
+
+
+def _agree_rank(rank, port, out_dir):
+    import torch.distributed as dist
+
+    from dflash.interrupt import agree_any
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # rank 1's clock ran out; nobody pressed Ctrl-C; rank 0 alone was interrupted afterwards
+    got = [
+        agree_any([rank == 1, False], dist.group.WORLD),
+        agree_any([False, rank == 0], dist.group.WORLD),
+    ]
+    torch.save(got, os.path.join(out_dir, f"agree{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_ranks_stop_together_when_any_rank_runs_out_of_time_or_is_interrupted(tmp_path):
+    """One all-reduce per step carries both flags: every rank sees either one if any rank has it."""
+    import torch.multiprocessing as mp
+
+    from dflash.testing import free_port
+
+    mp.spawn(_agree_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"agree{rank}.pt") == [[True, False], [False, True]]

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ..batch import TargetBatch
+from ..batch import TargetBatch, TokenBatch
 
 _FINAL_HIDDEN = 1
 _HEAD = ("g", "step", "j", "flags", "N", "T", "S")
@@ -65,17 +65,22 @@ def unpack_batch(meta: list[int], tensors: list[torch.Tensor]) -> tuple[TargetBa
     head["stats"] = meta[len(_HEAD) : len(_HEAD) + len(WorkerStats.FIELDS)]
     N, T, S = head["N"], head["T"], head["S"]
     ints = tensors[0]
-    ids, pos, seg, lm, nxt = ints[: 5 * N * T].view(5, N, T)
+    # one device->host copy of the token fields: the row seeds, and the host copy the trainer
+    # picks anchors and labelled positions from (so its step reads nothing back)
+    host = ints.cpu()
+
+    def fields(x):
+        ids, pos, seg, lm, _ = x[: 5 * N * T].view(5, N, T)
+        return ids, pos, seg, lm.bool(), x[5 * N * T : 5 * N * T + S]
+
+    seeds = host[5 * N * T + S : 5 * N * T + S + N].tolist()
     tb = TargetBatch(
-        ids,
-        pos,
-        seg,
-        lm.bool(),
-        ints[5 * N * T : 5 * N * T + S],
-        ints[5 * N * T + S : 5 * N * T + S + N].tolist(),
+        *fields(ints),
+        seeds,
         aux_NTF=tensors[1],
-        next_token_NT=nxt,
+        next_token_NT=ints[4 * N * T : 5 * N * T].view(N, T),
         final_hidden_NTH=tensors[2] if head["flags"] & _FINAL_HIDDEN else None,
+        host=TokenBatch(*fields(host), seeds),
     )
     return tb, head
 
