@@ -306,6 +306,26 @@ def main() -> None:
     )
     tps_loop, tf_loop = mean(tokens) / s_loop, mean(loop_flops) / s_loop / 1e12
     tps_rd = mean(tokens) / s_rd
+    # the colocated source (dflash.colocated) capturing in step vs one step ahead on a side
+    # stream (topology.overlap_capture); both sources walk the same sample order
+    s_src = s_ovl = None
+    try:
+        from dflash.colocated import LocalBatchSource
+        from dflash.config import RunConfig
+
+        def source(overlap):
+            cfg = RunConfig()
+            cfg.train.micro_batch_size, cfg.topology.overlap_capture = args.rows, overlap
+            return LocalBatchSource(target, samples, cfg)
+
+        if hasattr(RunConfig().topology, "overlap_capture"):
+            src = {ov: source(ov) for ov in (False, True)}
+            s_src, s_ovl = ab(
+                fused(on, lambda i: step_fn(src[False].next_batches())),
+                fused(on, lambda i: step_fn(src[True].next_batches())),
+            )
+    except ImportError:
+        pass
     s_fused = None
     if fuse is not None and not on:  # the default is eager: time the fused chains beside it
         s_fused, _ = ab(fused(True, one), fused(False, one))
@@ -352,6 +372,15 @@ def main() -> None:
         "loop_read_each_step_ms": s_rd * 1e3,
         "loop_read_each_step_tokens_per_s": tps_rd,
         "loop_over_read_each_step": tps_loop / tps_rd,
+        **(
+            {
+                "loop_source_ms": s_src * 1e3,
+                "loop_source_overlap_ms": s_ovl * 1e3,
+                "overlap_speedup": s_src / s_ovl,
+            }
+            if s_src
+            else {}
+        ),
         "ideal_tokens_per_s": ideal,
         "loop_over_ideal": tps_loop / ideal,
         **{f"peak_mem_{k}_gib": v for k, v in mem.items()},

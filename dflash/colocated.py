@@ -24,7 +24,11 @@ from .target import Target
 
 
 class LocalBatchSource:
-    """This process runs the target on its share of the sample stream."""
+    """This process runs the target on its share of the sample stream.
+
+    topology.overlap_capture: the next step's batches are captured ahead, on a side CUDA stream,
+    so the GPU runs that capture beside the drafter step (on CPU: still one step ahead, in
+    order). The stream position saved in checkpoints is what the trainer consumed."""
 
     def __init__(
         self, target: Target, samples: list, cfg: RunConfig, dp_rank: int = 0, dp_world: int = 1
@@ -34,11 +38,16 @@ class LocalBatchSource:
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.bad_samples: list[int] = []
         self.pending: list = []  # screen_batch checks not read back yet
+        self.ahead = None  # overlap_capture: (batches, their checks, ready event) of the next step
+        self.side = None
+        if cfg.topology.overlap_capture and target.device.type == "cuda":
+            self.side = torch.cuda.Stream(target.device)
 
-    def next_batches(self) -> list:
-        mb, out = self.cfg.train.micro_batch_size, []
-        for _ in range(self.cfg.train.grad_accum):
-            idx = self.stream.take(mb * self.dp_world)[self.dp_rank * mb : (self.dp_rank + 1) * mb]
+    def _capture(self, idx_all: list[int]) -> tuple[list, list]:
+        mb, n = self.cfg.train.micro_batch_size, self.cfg.train.micro_batch_size * self.dp_world
+        out, checks = [], []
+        for k in range(self.cfg.train.grad_accum):
+            idx = idx_all[k * n : (k + 1) * n][self.dp_rank * mb : (self.dp_rank + 1) * mb]
             # no device sync per step: flagged samples are zeroed on the device now and reported
             # (or stop the run under on_bad_batch=stop) at the next log step
             tb, pending = screen_batch(
@@ -46,8 +55,36 @@ class LocalBatchSource:
                 self.cfg.topology.on_bad_batch,
                 defer=True,
             )
-            self.pending.append(pending)
             out.append(tb)
+            checks.append(pending)
+        return out, checks
+
+    def _capture_ahead(self, idx_all: list[int]):
+        if self.side is None:
+            return (*self._capture(idx_all), None)
+        with torch.cuda.stream(self.side):
+            batches, checks = self._capture(idx_all)
+            ready = torch.cuda.Event()
+            ready.record(self.side)
+        return batches, checks, ready
+
+    def next_batches(self) -> list:
+        n = self.cfg.train.micro_batch_size * self.dp_world * self.cfg.train.grad_accum
+        if not self.cfg.topology.overlap_capture:
+            out, checks = self._capture(self.stream.take(n))
+            self.pending += checks
+            return out
+        if self.ahead is None:  # the first step of this process (after any resume)
+            self.ahead = self._capture_ahead(self.stream.peek(n))
+        out, checks, ready = self.ahead
+        self.stream.take(n)
+        if ready is not None:  # the drafter's stream waits for the capture, and owns its outputs
+            now = torch.cuda.current_stream(self.target.device)
+            now.wait_event(ready)
+            for t in _tensors(out, checks):
+                t.record_stream(now)
+        self.pending += checks
+        self.ahead = self._capture_ahead(self.stream.peek(n))
         return out
 
     def step_metrics(self, target_s: float, drafter_s: float) -> dict:
@@ -62,6 +99,15 @@ class LocalBatchSource:
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}
+
+
+def _tensors(batches: list, checks: list):
+    for tb in batches:
+        for x in vars(tb).values():
+            if isinstance(x, torch.Tensor) and x.device.type == "cuda":
+                yield x
+    for c in checks:
+        yield from (x for x in vars(c).values() if isinstance(x, torch.Tensor) and x.is_cuda)
 
 
 def run_colocated(

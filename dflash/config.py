@@ -308,6 +308,7 @@ class TopologyConfig:
     window: int = 2  # batches in flight per worker->trainer link (backpressure); also the trainer's prefetch depth
     timeout_s: float = 600.0  # a silent peer this long stops the run (> eval/save pauses)
     on_bad_batch: str = "skip"  # skip | stop  (NaN/inf aux states)
+    overlap_capture: bool = False  # colocated: capture the next step on a side CUDA stream
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     # Startup (target load, data regeneration/reading on rank 0, checkpoint load) may take this long
     # before the ranks meet; a rank that never arrives is named.

@@ -23,9 +23,13 @@ class SampleStream:
         return int(self._perm[pos % self.num_samples])
 
     def take(self, n: int) -> list[int]:
-        out = [self._index(self.position + i) for i in range(n)]
+        out = self.peek(n)
         self.position += n
         return out
+
+    def peek(self, n: int) -> list[int]:
+        """The next n indices, without consuming them."""
+        return [self._index(self.position + i) for i in range(n)]
 
     @property
     def epoch(self) -> float:
