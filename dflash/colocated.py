@@ -88,7 +88,10 @@ class LocalBatchSource:
         return out
 
     def step_metrics(self, target_s: float, drafter_s: float) -> dict:
-        # target vs drafter time per step = target GPUs per drafter GPU in a split run
+        # target vs drafter time per step = target GPUs per drafter GPU in a split run (not
+        # when capturing ahead: target_s is then only the wait for a capture that overlapped)
+        if self.side is not None:
+            return {}
         return {"pipe/suggested_workers_per_trainer": target_s / max(drafter_s, 1e-9)}
 
     def interval_metrics(self) -> dict:
