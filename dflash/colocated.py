@@ -105,12 +105,9 @@ class LocalBatchSource:
 
 
 def _tensors(batches: list, checks: list):
-    for tb in batches:
-        for x in vars(tb).values():
-            if isinstance(x, torch.Tensor) and x.device.type == "cuda":
-                yield x
-    for c in checks:
-        yield from (x for x in vars(c).values() if isinstance(x, torch.Tensor) and x.is_cuda)
+    """The CUDA tensors held by target batches and their pending screen checks."""
+    for obj in (*batches, *checks):
+        yield from (x for x in vars(obj).values() if isinstance(x, torch.Tensor) and x.is_cuda)
 
 
 def run_colocated(

@@ -173,7 +173,6 @@ class StepClock:
     def parts(self) -> tuple[float, float]:
         """(target, drafter) seconds of the step just marked (start, batches, step)."""
         m0, m1, m2 = self.marks[-3:]
-        self.marks = []
         if self.cuda:
             m2.synchronize()
             return m0.elapsed_time(m1) / 1e3, m1.elapsed_time(m2) / 1e3

@@ -135,7 +135,7 @@ class DrafterTrainer:
             )
         # Anchors and labelled positions come from the host copy of the token fields: nothing
         # in a step reads the device back (the step's figures are read at log steps only).
-        host, B = tb.host_tokens(), self.spec.block_size
+        host, B, num_tokens = tb.host_tokens(), self.spec.block_size, tb.num_tokens
         tb = tb.to(self.device)
         dev = tb.input_ids_NT.device
         cand = candidate_anchors(host.segment_ids_NT, host.loss_mask_NT)
@@ -144,8 +144,8 @@ class DrafterTrainer:
         lvalid_h = label_valid(host.loss_mask_NT, host.segment_ids_NT, anchors_h, valid_h, B)
         label_idx = lvalid_h.flatten().nonzero().flatten()
         n, k = label_idx.div(B - 1, rounding_mode="floor"), label_idx % (B - 1)
-        anchors, valid, lvalid, label_idx, hidden_idx = (
-            to_device(x, dev) for x in (anchors_h, valid_h, lvalid_h, label_idx, n * B + k + 1)
+        anchors, valid, label_idx, hidden_idx = (
+            to_device(x, dev) for x in (anchors_h, valid_h, label_idx, n * B + k + 1)
         )
         blocks = build_blocks(
             tb.input_ids_NT,
@@ -158,11 +158,9 @@ class DrafterTrainer:
             mask_rules(self.spec),
         )
         blocks.masks = to_kernel_masks(blocks.masks, self.attn_kernel)
-        # the device's loss mask has the last word: a deferred screen (build.screen_batch) may
+        # the same rule on the device's loss mask: a deferred screen (build.screen_batch) may
         # have dropped a sample after the host copy was taken; its labels then weigh nothing
-        T = tb.loss_mask_NT.shape[1]
-        tgt = (anchors[:, :, None] + torch.arange(1, B, device=dev)).clamp(max=T - 1)
-        lvalid = lvalid & tb.loss_mask_NT.gather(1, tgt.flatten(1)).view_as(tgt)
+        lvalid = label_valid(tb.loss_mask_NT, tb.segment_ids_NT, anchors, valid, B)
         return Prepared(
             blocks,
             gather_labels(tb.next_token_NT, anchors, B),
@@ -171,7 +169,7 @@ class DrafterTrainer:
             label_idx,
             hidden_idx,
             num_labels=label_idx.numel(),
-            num_tokens=int((host.segment_ids_NT >= 0).sum()),
+            num_tokens=num_tokens,
         )
 
     def autocast(self):
