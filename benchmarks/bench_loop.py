@@ -286,21 +286,32 @@ def main() -> None:
 
         return run
 
-    def ab(fa, fb, rounds=args.ab_rounds):
-        """Median seconds per call of fa and fb, timed in alternating order (no order bias)."""
-        ta, tb_ = [], []
+    def ab(names, fa, fb, rounds=args.ab_rounds):
+        """Median seconds per call of fa and fb, timed in alternating order (no order bias);
+        their peak memory under mem[name]."""
+        times = {n: [] for n in names}
         for r in range(rounds):
-            pair = ((fa, ta), (fb, tb_)) if r % 2 == 0 else ((fb, tb_), (fa, ta))
-            for fn, out in pair:
-                out.append(throughput(fn, args.steps, args.warmup, dev))
-        return statistics.median(ta), statistics.median(tb_)
+            for name, fn in list(zip(names, (fa, fb)))[:: 1 if r % 2 == 0 else -1]:
+                torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+                times[name].append(throughput(fn, args.steps, args.warmup, dev))
+                if dev.type == "cuda":
+                    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+                    mem[name] = max(mem.get(name) or 0.0, peak_gib)
+                else:
+                    mem[name] = None
+        return tuple(statistics.median(times[n]) for n in names)
 
     on = fuse is not None and fuse.ENABLED
     one = lambda i: step_fn([tbs[i % nb]])  # noqa: E731
-    s_step, s_unf = ab(fused(on, one), fused(False, one))
+    if fuse is not None:  # fused and eager chains, each in alternating rounds
+        s_fz, s_eager = ab(("step_fused", "step_eager"), fused(True, one), fused(False, one))
+        s_step = s_fz if on else s_eager
+    else:
+        s_step = throughput(one, args.steps, args.warmup, dev)
     tps_step, tf_step = mean(tokens) / s_step, mean(step_flops) / s_step / 1e12
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
     s_loop, s_rd = ab(
+        ("loop", "loop_read"),
         fused(on, lambda i: step_fn([capture(i)])),
         fused(on, lambda i: tr.train_step([capture(i)])),
     )
@@ -321,15 +332,12 @@ def main() -> None:
         if hasattr(RunConfig().topology, "overlap_capture"):
             src = {ov: source(ov) for ov in (False, True)}
             s_src, s_ovl = ab(
+                ("loop_source", "loop_source_overlap"),
                 fused(on, lambda i: step_fn(src[False].next_batches())),
                 fused(on, lambda i: step_fn(src[True].next_batches())),
             )
     except ImportError:
         pass
-    s_fused = None
-    if fuse is not None and not on:  # the default is eager: time the fused chains beside it
-        s_fused, _ = ab(fused(True, one), fused(False, one))
-    unfused = {"s": s_unf} if fuse is not None else {}
     ideal = 1 / (1 / tps_cap + 1 / tps_step)
     res = {
         "target": args.target,
@@ -358,11 +366,11 @@ def main() -> None:
         **(
             {
                 "fuse_default": on,
-                "step_eager_ms": unfused["s"] * 1e3,
-                "step_fused_ms": (s_fused or s_step) * 1e3,
-                "step_fused_speedup": unfused["s"] / (s_fused or s_step),
+                "step_eager_ms": s_eager * 1e3,
+                "step_fused_ms": s_fz * 1e3,
+                "step_fused_speedup": s_eager / s_fz,
             }
-            if unfused
+            if fuse is not None
             else {}
         ),
         "loop_ms": s_loop * 1e3,
