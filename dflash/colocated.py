@@ -98,7 +98,11 @@ class LocalBatchSource:
         for pending in self.pending:
             self.bad_samples += pending.read()
         self.pending = []
-        return {"pipe/bad_samples": float(len(self.bad_samples))}
+        out = {"pipe/bad_samples": float(len(self.bad_samples))}
+        graphs = getattr(self.target, "capture_graphs", None)
+        if graphs is not None and graphs.graphs:  # a new bucket marks an interval that captured one
+            out["perf/capture_graphs"] = float(len(graphs.graphs))
+        return out
 
     def state_dict(self) -> dict:
         return {"stream": self.stream.state_dict()}

@@ -220,6 +220,7 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         clock.busy_s = 0.0
         metrics.update(source.step_metrics(metrics["perf/target_s"], metrics["perf/drafter_s"]))
         metrics.update(source.interval_metrics())
+        metrics.update(_compiled())
         logger.log(metrics, step)
         post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
         if budget is not None:
@@ -251,6 +252,16 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
         return Interrupted(step, saved), final
     return None, final
+
+
+def _compiled() -> dict:
+    """Graphs torch.compile has built in this process so far: a step in this figure marks an
+    interval that paid a (re)compile (train.fuse, train.compile, the fused CE)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {"perf/compiled_graphs": float(counters["stats"]["unique_graphs"])}
 
 
 def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:

@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from dflash.config import LoggerConfig
 from dflash.loggers import make_logger
@@ -55,3 +56,16 @@ def test_plot_from_metrics(tmp_path):
     assert os.path.getsize(out) > 10_000
     with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
         plot_run(str(tmp_path / "nope"))
+
+
+def test_compiled_graphs_counts_every_new_compile():
+    """perf/compiled_graphs steps up in the interval that paid a (re)compile."""
+    from dflash.loop import _compiled
+
+    before = _compiled()["perf/compiled_graphs"]
+    f = torch.compile(lambda x: x * 3 - 1, backend="eager", dynamic=False)
+    f(torch.ones(2))
+    f(torch.ones(2))  # the same shape: no new graph
+    assert _compiled()["perf/compiled_graphs"] == before + 1
+    f(torch.ones(2, 3))  # a new rank: a recompile
+    assert _compiled()["perf/compiled_graphs"] == before + 2
