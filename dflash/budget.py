@@ -101,6 +101,30 @@ class TimeBudget:
         self._longest = {k: float(v) for k, v in state["longest"].items()}
 
 
+_PHASES: list[tuple[str, float]] = []  # this run's (phase, monotonic time it ended)
+_RUNS_STARTED = 0
+
+
+def start_phases() -> None:
+    """A run starts in this process: its phases count from the process start (the first run) or
+    from now (a later run of a multirun or a test session)."""
+    global _RUNS_STARTED
+    _PHASES[:] = [("", PROCESS_T0 if _RUNS_STARTED == 0 else time.monotonic())]
+    _RUNS_STARTED += 1
+
+
+def phase_done(name: str) -> None:
+    """A startup phase of this run ended now (target load, data, ...): train.log's "spent before
+    training" line lists them."""
+    if _PHASES:
+        _PHASES.append((name, time.monotonic()))
+
+
+def startup_phases() -> str:
+    """'data 140 s, ...': each phase's seconds since the previous one ended, in order."""
+    return ", ".join(f"{n} {t - t0:.0f} s" for (_, t0), (n, t) in zip(_PHASES, _PHASES[1:]))
+
+
 def budget_lr(progress: float, warmup_ratio: float, min_ratio: float) -> float:
     """LR multiplier against the fraction of the training window: linear warmup over the first
     warmup_ratio of it, then cosine to min_ratio at the end (the step schedule of loss.cosine_lr,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .budget import phase_done, start_phases
 from .build import (
     build_target,
     dataset_for_rank,
@@ -126,6 +127,7 @@ def run_colocated(
     every micro-batch; rank 0 writes metrics, evaluations and checkpoints."""
     writer = ctx is None or ctx.rank == 0
     multi = ctx is not None and ctx.world > 1
+    start_phases()
     torch.manual_seed(cfg.train.seed)
     target = build_target(cfg, ctx.device if ctx is not None else None)
     describe = []
@@ -142,10 +144,13 @@ def run_colocated(
     session = open_session(
         cfg, run_dir, target.shape, writer=writer, describe=describe, logger=logger
     )
+    phase_done("start and target load")
     samples = dataset_for_rank(cfg, target, run_dir, session.logger.info, ctx)
+    phase_done("data")
     trainer, evaluator = session.start(
         target, target.device, dp_group=ctx.world_group if multi else None
     )
+    phase_done("trainer and eval set")
     source = LocalBatchSource(
         target, samples, cfg, ctx.rank if multi else 0, ctx.world if multi else 1
     )

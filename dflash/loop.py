@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .batch import TargetBatch
+from .budget import phase_done, startup_phases
 from .checkpoint import save_checkpoint
 from .config import RunConfig
 from .interrupt import Interrupted, StopRequest, agree_any
@@ -66,6 +67,7 @@ def train_loop(
             first_eval = evaluator.run(drafter, trainer.heads)
         logger.log(first_eval, step=0)
         logger.log_eval(evaluator.reports, 0)
+        phase_done("step-0 eval")
     if fresh:
         _report_start(budget, logger)
     bar = tqdm(
@@ -126,6 +128,8 @@ def _report_start(budget, logger: Logger) -> None:
     eval), and a warning when that leaves training less than half."""
     spent, total = budget.elapsed(), budget.total_s
     msg = f"time budget: {spent / 60:.1f} of {total / 60:g} min spent before training"
+    if phases := startup_phases():
+        msg += f" ({phases})"
     if spent > total / 2:
         msg += (
             f"; training gets {max(total - spent, 0) / 60:.1f} min: raise train.time_budget_min, "

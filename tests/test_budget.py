@@ -5,6 +5,7 @@ uninterrupted one (on a deterministic fake clock)."""
 import functools
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def _master(step_dir) -> dict:
     return torch.load(os.path.join(step_dir, STATE_FILE), weights_only=False)
 
 
-def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path, fake_time):
+def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path, fake_time, capsys):
     from dflash.colocated import run_colocated
 
     run_dir = str(tmp_path / "full")
@@ -139,6 +140,11 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
     peak = max(lrs)
     assert lrs.index(peak) in range(1, 4) and lrs[-1] < 0.05 * peak  # warmup, then cosine
     assert os.path.isfile(os.path.join(run_dir, "metrics.png"))
+    log = capsys.readouterr().out  # train.log when run by train.py
+    phases = (
+        r"start and target load \d+ s, data \d+ s, trainer and eval set \d+ s, step-0 eval \d+ s"
+    )
+    assert re.search(r"min spent before training \(" + phases + r"\)", log), log
     state = _master(out["checkpoint"])["trainer"]["budget"]
     assert 50 < state["elapsed_s"] <= 60
 
@@ -197,3 +203,21 @@ def test_ranks_stop_together_when_any_rank_runs_out_of_time_or_is_interrupted(tm
     mp.spawn(_agree_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         assert torch.load(tmp_path / f"agree{rank}.pt") == [[True, False], [False, True]]
+
+
+def test_startup_phases_count_from_the_previous_phase_and_restart_with_each_run(monkeypatch):
+    import dflash.budget as b
+
+    t = [1000.0]
+    monkeypatch.setattr(b.time, "monotonic", lambda: t[0])
+    monkeypatch.setattr(b, "_RUNS_STARTED", 1)  # not the process's first run: counts from now
+    b.start_phases()
+    t[0] += 12.4
+    b.phase_done("target")
+    t[0] += 100.0
+    b.phase_done("data")
+    assert b.startup_phases() == "target 12 s, data 100 s"
+    b.start_phases()  # the next run of a multirun forgets the last one's phases
+    t[0] += 5.0
+    b.phase_done("target")
+    assert b.startup_phases() == "target 5 s"
