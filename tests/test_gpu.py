@@ -299,3 +299,41 @@ def test_overlapped_capture_on_a_side_stream_gives_the_same_batches_on_cuda():
         assert src.stream.position == 4 * 8 and src.interval_metrics()["pipe/bad_samples"] == 0
     for (a0, n0), (a1, n1) in zip(got[False], got[True]):
         assert torch.equal(n0, n1) and torch.allclose(a0, a1, atol=1e-5, rtol=1e-5)
+
+
+def test_overlapped_source_never_waits_for_the_gpu():
+    """topology.overlap_capture: after warm-up, taking a step's batches (and launching the next
+    step's capture on the side stream) and the drafter step queue their work without a host
+    sync, as in-step capture does (test_colocated_step_never_waits_for_the_gpu)."""
+    import math
+
+    from dflash.batch import Sample
+    from dflash.colocated import LocalBatchSource
+    from dflash.config import RunConfig
+    from dflash.shape import Heads
+    from dflash.target import load_target
+    from dflash.trainer import DrafterTrainer
+
+    t = load_target(target_cfg("tiny_llama", device="cuda", dtype="bfloat16"), num_aux=3)
+    g = torch.Generator().manual_seed(0)
+    n = 100  # one length: every batch packs to the same CUDA-graph bucket
+    samples = [
+        Sample(i, torch.randint(0, 500, (n,), generator=g), torch.arange(n) >= n // 3)
+        for i in range(8)
+    ]
+    cfg = RunConfig()
+    cfg.train.micro_batch_size, cfg.train.max_anchors = 4, 16
+    cfg.topology.overlap_capture = True
+    src = LocalBatchSource(t, samples, cfg)
+    dev = torch.device("cuda")
+    tr = DrafterTrainer(make_drafter(t), Heads(t.embed_tokens, t.lm_head), cfg.train, dev)
+    for _ in range(4):  # the graph captured, kernels compiled
+        tr.step_async(src.next_batches())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            figures = tr.step_async(src.next_batches())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert math.isfinite(figures.read()["train/loss"])
