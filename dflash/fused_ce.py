@@ -41,6 +41,17 @@ def _ce_stats(
     return loss, correct, grad
 
 
+def chunk_bounds(M: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) of the chunks over M rows, none of them 1 row long when M >= 2: the compiled
+    stats specialize a 1-row chunk and would recompile mid-run (seconds) the first time one turns
+    up, when M % chunk == 1. The last chunk then takes one row from the one before."""
+    bounds = [(i, min(i + chunk, M)) for i in range(0, M, chunk)]
+    if len(bounds) >= 2 and bounds[-1][1] - bounds[-1][0] == 1 and chunk >= 3:
+        (a, _), (_, e) = bounds[-2], bounds[-1]
+        bounds[-2:] = [(a, e - 2), (e - 2, e)]
+    return bounds
+
+
 @functools.cache
 def _compiled_stats():
     return torch.compile(_ce_stats, dynamic=True)
@@ -51,20 +62,24 @@ class _FusedLinearCE(torch.autograd.Function):
     def forward(ctx, h_MH, w_VH, labels_M, weights_M, chunk: int, dtype, mult, cap):
         stats = _compiled_stats() if h_MH.is_cuda else _ce_stats
         need_grad = ctx.needs_input_grad[0]
+        single = h_MH.shape[0] == 1
+        if single:  # one row: a zero-weight copy as a second keeps the compiled shape general
+            h_MH, labels_M = torch.cat([h_MH, h_MH]), torch.cat([labels_M, labels_M])
+            weights_M = torch.cat([weights_M, torch.zeros_like(weights_M)])
         grad_h = torch.empty_like(h_MH) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h_MH.device)
         correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
         w = w_VH.to(dtype)  # a no-op for a bf16 lm_head under bf16 compute
         with torch.autocast(h_MH.device.type, enabled=False):
-            for i in range(0, h_MH.shape[0], chunk):
-                logits = h_MH[i : i + chunk].to(dtype) @ w.t()
-                l, c, g = stats(
-                    logits, labels_M[i : i + chunk], weights_M[i : i + chunk].float(), mult, cap
-                )
+            for i, j in chunk_bounds(h_MH.shape[0], chunk):
+                logits = h_MH[i:j].to(dtype) @ w.t()
+                l, c, g = stats(logits, labels_M[i:j], weights_M[i:j].float(), mult, cap)
                 loss += l
                 correct += c
                 if need_grad:
-                    grad_h[i : i + chunk] = g @ w
+                    grad_h[i:j] = g @ w
+        if need_grad and single:
+            grad_h = grad_h[:1]
         ctx.save_for_backward(grad_h)
         ctx.mark_non_differentiable(correct)
         return loss, correct

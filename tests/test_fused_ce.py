@@ -55,3 +55,33 @@ def test_fused_ce_applies_and_differentiates_the_logit_transform():
     assert torch.allclose(l1.double(), l2.double(), rtol=1e-6)
     assert torch.allclose(c1.double(), c2.double())
     assert torch.allclose(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_chunks_are_never_one_row_long():
+    """A 1-row chunk would make the compiled CE stats recompile mid-run (0/1 specialization)."""
+    from dflash.fused_ce import chunk_bounds
+
+    for chunk in (3, 4, 8, 4096):
+        for M in range(2, 3 * chunk + 2 if chunk < 100 else 2):
+            b = chunk_bounds(M, chunk)
+            assert b[0][0] == 0 and b[-1][1] == M
+            assert all(e0 == s1 for (_, e0), (s1, _) in zip(b, b[1:]))  # contiguous
+            assert all(2 <= e - s <= chunk for s, e in b), (M, chunk, b)
+    assert chunk_bounds(4097, 4096) == [(0, 4095), (4095, 4097)]
+
+
+def test_fused_ce_with_a_one_row_tail_and_a_single_row_matches_plain():
+    g = torch.Generator().manual_seed(2)
+    for M, chunk in ((17, 8), (1, 8)):  # 17 = 2 x 8 + 1: the tail takes a row from the chunk before
+        h = torch.randn(M, 6, generator=g, dtype=torch.float64)
+        w = torch.randn(11, 6, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, 11, (M,), generator=g)
+        weights = torch.rand(M, generator=g, dtype=torch.float64)
+        h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+        l1, c1 = weighted_ce_sum(h1, w, labels, weights, chunk=chunk)
+        l2, c2 = fused_weighted_ce_sum(h2, w, labels, weights, chunk=chunk, dtype=torch.float64)
+        l1.backward()
+        l2.backward()
+        assert torch.allclose(l1.double(), l2.double(), rtol=1e-6)
+        assert torch.allclose(c1.double(), c2.double())
+        assert h2.grad.shape == (M, 6) and torch.allclose(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
