@@ -101,6 +101,14 @@ def bench_walks(args) -> None:
         f"[walk_ddtree, L={n}, D={D}, top-{K}, budgets {args.budgets}] {rounds} rounds in "
         f"{dt:.2f} s ({dt * 1e3 / n:.2f} ms per completion token)"
     )
+    t0 = time.perf_counter()
+    before = walk_per_visited_anchor(vals, ids, tg, args.budgets)
+    dt_before = time.perf_counter() - t0
+    assert before == {b: w.accepted for b, w in walks.items()}
+    print(
+        f"[walk_ddtree as before: one ddtree_accept_topk per visited anchor] {dt_before:.2f} s: "
+        f"walk_ddtree (all anchors batched) is {dt_before / dt:.2f}x faster, same walks"
+    )
     tgt_ND = torch.stack([t for _, t in blocks])
     t0 = time.perf_counter()
     ddtree_accept_many(vals, ids, tgt_ND, args.budgets)
@@ -108,6 +116,23 @@ def bench_walks(args) -> None:
     print(
         f"[ddtree_accept_many, N={n}, all budgets] {n / dt:,.0f} anchors/s ({dt * 1e3 / n:.2f} ms per anchor)"
     )
+
+
+def walk_per_visited_anchor(vals, ids, tg, budgets) -> dict[int, list[int]]:
+    """walk_ddtree's walks the way it computed them until 2026-12-03: one ddtree_accept_topk
+    per anchor a walk visits (memoized across budgets). Accepted lengths per budget."""
+    L, D = tg.numel(), vals.shape[1]
+    memo: dict[int, dict[int, int]] = {}
+    out = {}
+    for b in sorted(budgets):
+        i, acc = 0, []
+        while i < L - 1:
+            if i not in memo:
+                memo[i] = ddtree_accept_topk(vals[i], ids[i], tg[i + 1 : i + 1 + D], budgets)
+            acc.append(memo[i][b])
+            i += memo[i][b] + 1
+        out[b] = acc
+    return out
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dflash.ddtree import ddtree_accept, ddtree_accept_topk
+from dflash.ddtree import ddtree_accept, ddtree_accept_many
 
 __all__ = [
     "ChainWalk",
@@ -183,16 +183,24 @@ def walk_ddtree(
             topk_ids_LDK.detach().cpu(),
         )
     memo: dict[int, list[int]] = {}
+    if topk_ids_LDK is not None:  # every anchor at once: batched sorts, one heap run each
+        # (~2x faster than one call per visited anchor, though walks visit ~3/4 of them)
+        tail = torch.cat([greedy_L[1:], greedy_L.new_full((D,), -1)])
+        targets = tail.unfold(0, D, 1)[: L - 1]  # -1 past the completion: caps acceptance
+        table = ddtree_accept_many(
+            topk_logprobs_LDK[: L - 1],
+            topk_ids_LDK[: L - 1],
+            targets,
+            budgets,
+            full_vocab=full_vocab,
+            chunk=L,
+        )
+        memo = dict(enumerate(table.tolist()))
 
     def accepted_at(i: int) -> list[int]:
         if i not in memo:
             target = greedy_L[i + 1 : i + 1 + D]  # shorter than D at the end: caps acceptance
-            if topk_ids_LDK is None:
-                acc = ddtree_accept(topk_logprobs_LDK[i], target, budgets)
-            else:
-                acc = ddtree_accept_topk(
-                    topk_logprobs_LDK[i], topk_ids_LDK[i], target, budgets, full_vocab=full_vocab
-                )
+            acc = ddtree_accept(topk_logprobs_LDK[i], target, budgets)  # full-vocab rows
             memo[i] = [acc[b] for b in budgets]
         return memo[i]
 
