@@ -102,15 +102,12 @@ class TimeBudget:
 
 
 _PHASES: list[tuple[str, float]] = []  # this run's (phase, monotonic time it ended)
-_RUNS_STARTED = 0
 
 
 def start_phases() -> None:
     """A run starts in this process: its phases count from the process start (the first run) or
     from now (a later run of a multirun or a test session)."""
-    global _RUNS_STARTED
-    _PHASES[:] = [("", PROCESS_T0 if _RUNS_STARTED == 0 else time.monotonic())]
-    _RUNS_STARTED += 1
+    _PHASES[:] = [("", time.monotonic() if _PHASES else PROCESS_T0)]
 
 
 def phase_done(name: str) -> None:

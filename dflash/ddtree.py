@@ -364,7 +364,7 @@ def _accept_prepared(
 
 def ddtree_accept_many(
     topk_logprobs_NDK: Tensor,
-    topk_ids_NDK: Tensor,
+    topk_ids_NDK: Tensor | None,
     target_tokens_ND: Tensor,
     budgets: Sequence[int],
     *,
@@ -375,6 +375,7 @@ def ddtree_accept_many(
 
     Negative target tokens mark unavailable positions (pad with -1 at the end of a
     completion). Sorting and target lookup are batched; the heap runs once per anchor.
+    ``topk_ids_NDK=None``: full-vocab log probs [N, D, V] (as ``ddtree_accept``).
     """
     budgets = _check_budgets(budgets)
     N, D = topk_logprobs_NDK.shape[0], topk_logprobs_NDK.shape[1]
@@ -385,7 +386,7 @@ def ddtree_accept_many(
     for s in range(0, N, chunk):
         vals, ids = _sorted_topk(
             topk_logprobs_NDK[s : s + chunk],
-            topk_ids_NDK[s : s + chunk],
+            None if topk_ids_NDK is None else topk_ids_NDK[s : s + chunk],
             bmax,
             full_vocab=full_vocab,
         )

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dflash.ddtree import ddtree_accept, ddtree_accept_many
+from dflash.ddtree import ddtree_accept_many
 
 __all__ = [
     "ChainWalk",
@@ -165,7 +165,7 @@ def walk_ddtree(
     ``topk_ids_LDK=None`` means ``topk_logprobs_LDK`` holds full-vocab log probs [L, D, V].
     Top-k inputs need K >= max(budgets) unless ``full_vocab=True``. Near the end of the
     completion the tree is still built over all D positions and acceptance is capped at the
-    available positions. One heap run per visited anchor serves every budget.
+    available positions. One heap run per anchor serves every budget.
     """
     budgets = sorted({int(b) for b in budgets})
     greedy_L = _as_long_cpu(greedy_L).reshape(-1)
@@ -182,32 +182,22 @@ def walk_ddtree(
             topk_logprobs_LDK.detach().cpu(),
             topk_ids_LDK.detach().cpu(),
         )
-    memo: dict[int, list[int]] = {}
-    if topk_ids_LDK is not None:  # every anchor at once: batched sorts, one heap run each
-        # (~2x faster than one call per visited anchor, though walks visit ~3/4 of them)
-        tail = torch.cat([greedy_L[1:], greedy_L.new_full((D,), -1)])
-        targets = tail.unfold(0, D, 1)[: L - 1]  # -1 past the completion: caps acceptance
-        table = ddtree_accept_many(
-            topk_logprobs_LDK[: L - 1],
-            topk_ids_LDK[: L - 1],
-            targets,
-            budgets,
-            full_vocab=full_vocab,
-            chunk=L,
-        )
-        memo = dict(enumerate(table.tolist()))
-
-    def accepted_at(i: int) -> list[int]:
-        if i not in memo:
-            target = greedy_L[i + 1 : i + 1 + D]  # shorter than D at the end: caps acceptance
-            acc = ddtree_accept(topk_logprobs_LDK[i], target, budgets)  # full-vocab rows
-            memo[i] = [acc[b] for b in budgets]
-        return memo[i]
-
+    # every anchor at once (batched sorts, one heap run each): ~2x faster than one call per
+    # visited anchor, though walks visit ~3/4 of them
+    tail = torch.cat([greedy_L[1:], greedy_L.new_full((D,), -1)])
+    targets = tail.unfold(0, D, 1)[: L - 1]  # -1 past the completion: caps acceptance
+    table = ddtree_accept_many(
+        topk_logprobs_LDK[: L - 1],
+        None if topk_ids_LDK is None else topk_ids_LDK[: L - 1],
+        targets,
+        budgets,
+        full_vocab=full_vocab,
+        chunk=L,
+    ).tolist()
     for j, b in enumerate(budgets):
         walk, i = walks[b], 0
         while i < L - 1:
-            acc = accepted_at(i)[j]
+            acc = table[i][j]
             walk.anchors.append(i)
             walk.available.append(min(D, L - 1 - i))
             walk.accepted.append(acc)
