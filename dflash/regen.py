@@ -115,7 +115,9 @@ class StaticGreedyDecoder:
             use_cache=True,
             logits_to_keep=1,
         )
-        tokens = torch.empty(B, max_new, dtype=torch.long, device=dev)
+        # -1, never a token id: the EOS check below reads whole rows, and an empty buffer can
+        # hold an earlier batch's tokens (a reused allocator block), EOS included
+        tokens = torch.full((B, max_new), -1, dtype=torch.long, device=dev)
         st = {
             "tok": out.logits[:, -1].argmax(-1)[:, None].clone(),
             "pos": pos[:, -1:] + 1,

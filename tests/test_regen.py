@@ -28,6 +28,25 @@ def test_static_decoder_equals_generate(tiny_llama):
     assert got_eos == ref_eos and any(len(r) < 20 for r in got_eos)
 
 
+def test_eos_check_ignores_stale_token_memory(tiny_llama, monkeypatch):
+    """The all-rows-ended check cannot be fooled by what the token buffer held before (a reused
+    allocator block can hold an earlier batch's EOS): every empty long tensor starts as EOS."""
+    prompts = _prompts(4, seed=2)
+    ids, att = left_pad(prompts, 0)
+    free = StaticGreedyDecoder(tiny_llama.model).run(ids, att, 48, None)
+    eos = next(i for i in range(500) if i not in set(free.flatten().tolist()))
+    ref = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 48, eos), eos)
+    real = torch.empty
+
+    def stale(*a, **kw):
+        x = real(*a, **kw)
+        return x.fill_(eos) if x.dtype == torch.long else x
+
+    monkeypatch.setattr(torch, "empty", stale)
+    got = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 48, eos), eos)
+    assert got == ref and [len(r) for r in got] == [48] * 4
+
+
 def test_packed_gqa_attention_equals_repeated_kv():
     """One query token, grouped KV heads, a per-row padding mask: the packed kernel call gives
     plain SDPA over the repeated cache (what transformers does without packing)."""
