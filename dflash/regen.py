@@ -6,7 +6,8 @@ Legend: B rows, P prompt length (left padded), L = P + new tokens (the static ca
 HF `generate` at batch 256 on a small target is bound by Python and kernel launches (a fresh
 mask, cache bookkeeping and logits processors per token); a replayed graph costs one launch per
 token. Same greedy tokens as `generate` (same left padding, positions and masking); rows are
-cut after their first EOS exactly as data._generate_batch does.
+cut after their first EOS exactly as data._generate_batch does. Rows that have ended leave the
+batch as it goes (compaction, see StaticGreedyDecoder), so late steps decode fewer rows.
 """
 
 from __future__ import annotations
@@ -78,12 +79,33 @@ def packed_gqa_decoding(model):
 
 
 class StaticGreedyDecoder:
-    """One instance per (model, batch shape); `run` decodes one left-padded batch."""
+    """`run` decodes one left-padded batch (B rows).
 
-    def __init__(self, model, use_graph: bool = True, compile: bool = False):
+    compact: ended rows leave the batch. At every EOS check (each `check_every` steps, one host
+    sync), once at most half of the current batch is still decoding and the batch has more than
+    `min_rows` rows, the live rows are gathered into a smaller batch: the static cache's K/V of
+    every layer, the per-row state (token, position, mask) and the token rows; finished rows'
+    tokens go to the output first. On CUDA a new graph is captured for the smaller batch (the
+    old one is dropped). A row attends only to its own cache row, so the tokens are the same.
+    Below ~min_rows rows a step is bound by reading the weights, not the rows' cache, so a
+    smaller batch would not pay for its capture. `stretches`: [rows, steps] per batch size.
+    """
+
+    def __init__(
+        self,
+        model,
+        use_graph: bool = True,
+        compile: bool = False,
+        compact: bool = True,
+        check_every: int = 32,
+        min_rows: int = 64,
+    ):
         # compile: torch.compile the step first (fuses the norms / RoPE / SiLU kernels that bound
         # a small model's decode step), then capture the compiled step in the graph.
         self.model, self.use_graph, self.compile = model, use_graph, compile
+        self.compact, self.check_every, self.min_rows = compact, check_every, min_rows
+        self.stretches: list[list[int]] = []
+        self.graph_used = False
 
     @torch.no_grad()
     def run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
@@ -117,15 +139,17 @@ class StaticGreedyDecoder:
         )
         # -1, never a token id: the EOS check below reads whole rows, and an empty buffer can
         # hold an earlier batch's tokens (a reused allocator block), EOS included
-        tokens = torch.full((B, max_new), -1, dtype=torch.long, device=dev)
-        st = {
+        tokens_BT = torch.full((B, max_new), -1, dtype=torch.long, device=dev)
+        st = {  # per-row state (rows of the current batch) and shared counters
+            "tokens": tokens_BT,  # the current batch's token rows (tokens_BT until compacted)
+            "rows": torch.arange(B, device=dev),  # current row -> row of tokens_BT
             "tok": out.logits[:, -1].argmax(-1)[:, None].clone(),
             "pos": pos[:, -1:] + 1,
+            "valid": valid,
             "cpos": torch.full((1,), P, dtype=torch.long, device=dev),
             "t": torch.zeros(1, dtype=torch.long, device=dev),
-            "valid": valid,
         }
-        tokens[:, 0] = st["tok"][:, 0]
+        tokens_BT[:, 0] = st["tok"][:, 0]
         st["valid"][:, P] = True
 
         def step():
@@ -139,7 +163,7 @@ class StaticGreedyDecoder:
             )
             nxt = o.logits[:, -1].argmax(-1)
             st["t"] += 1
-            tokens.index_copy_(1, st["t"], nxt[:, None])
+            st["tokens"].index_copy_(1, st["t"], nxt[:, None])
             st["tok"].copy_(nxt[:, None])
             st["pos"] += 1
             st["cpos"] += 1
@@ -147,23 +171,57 @@ class StaticGreedyDecoder:
 
         if self.compile:
             step = torch.compile(step)
-        n_steps = max_new - 1
-        replay = step
-        self.graph_used = False
-        if self.use_graph and dev.type == "cuda" and n_steps > 1:
-            step()  # warm-up on the default stream: decodes token 1 (and lazily sizes the cache)
-            n_steps -= 1
-            try:
-                replay = self._capture(step)
-                self.graph_used = True
-            except RuntimeError as e:  # a model whose step cannot be captured runs eagerly
-                print(f"warning: CUDA graph capture failed ({e}); decoding eagerly", flush=True)
-                torch.cuda.synchronize()
-        for i in range(n_steps):
+        self.graph_used, self.stretches = False, []
+        done, replay = 1, None  # tokens decoded per row; the step for the current batch
+        while done < max_new:
+            if replay is None:
+                replay, warm = self._replay(step, dev, max_new - done)
+                done += warm
+                self.stretches.append([len(st["rows"]), warm])
             replay()
-            if eos is not None and i % 32 == 31 and bool((tokens == eos).any(-1).all()):
+            done += 1
+            self.stretches[-1][1] += 1
+            if eos is None or (done - 1) % self.check_every or done == max_new:
+                continue
+            live = ~(st["tokens"] == eos).any(-1)
+            n_live = int(live.sum())
+            if n_live == 0:
                 break  # every row has ended: the rest would be cut anyway
-        return tokens
+            if self.compact and len(live) > self.min_rows and 2 * n_live <= len(live):
+                self._compact(cache, st, tokens_BT, live.nonzero()[:, 0])
+                replay = None  # dropping the old graph frees its memory pool
+        if st["tokens"] is not tokens_BT:
+            tokens_BT.index_copy_(0, st["rows"], st["tokens"])
+        return tokens_BT
+
+    def _replay(self, step, dev, n_steps: int):
+        """(the step to repeat for the current batch, steps already run): on CUDA a captured
+        graph, after one eager warm-up step (it decodes a token, sizes the cache on the first
+        batch and compiles a compiled step for this batch size)."""
+        if not (self.use_graph and dev.type == "cuda" and n_steps > 1):
+            return step, 0
+        step()
+        try:
+            replay = self._capture(step)
+            self.graph_used = True
+            return replay, 1
+        except RuntimeError as e:  # a model whose step cannot be captured runs eagerly
+            print(f"warning: CUDA graph capture failed ({e}); decoding eagerly", flush=True)
+            torch.cuda.synchronize()
+            return step, 1
+
+    @staticmethod
+    def _compact(cache, st: dict, tokens_BT: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep only rows `keep` of the batch (ended rows' tokens are written out first)."""
+        if st["tokens"] is not tokens_BT:
+            tokens_BT.index_copy_(0, st["rows"], st["tokens"])
+        for k in ("tokens", "rows", "tok", "pos", "valid"):
+            st[k] = st[k].index_select(0, keep)
+        for layer in cache.layers:  # one layer at a time: the old K/V go before the next
+            if getattr(layer, "is_initialized", False):
+                layer.keys = layer.keys.index_select(0, keep)
+                layer.values = layer.values.index_select(0, keep)
+                layer.batch_size = len(keep)
 
     @staticmethod
     def _capture(step):

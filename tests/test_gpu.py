@@ -162,6 +162,22 @@ def test_static_graph_decoder_equals_generate_on_cuda():
     assert dec.graph_used and got == ref
 
 
+def test_static_graph_decoder_compacts_on_cuda():
+    """Compaction on the graph path (a graph captured per smaller batch) keeps generate's tokens."""
+    from test_regen import _staggered
+
+    from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
+    from dflash.target import load_target
+
+    t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
+    prompts, eos = _staggered(t, 2)
+    ref = hf_greedy_batch(t, prompts, 40, 0, eos)
+    ids, att = left_pad(prompts, 0)
+    dec = StaticGreedyDecoder(t.model, check_every=2, min_rows=1)
+    got = cut_at_eos(dec.run(ids.cuda(), att.cuda(), 40, eos), eos)
+    assert dec.graph_used and got == ref and len(dec.stretches) >= 3
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype):
     """The packed capture replayed from CUDA graphs (several buckets, each replayed with new

@@ -47,6 +47,51 @@ def test_eos_check_ignores_stale_token_memory(tiny_llama, monkeypatch):
     assert got == ref and [len(r) for r in got] == [48] * 4
 
 
+def _staggered(target, n_never: int, n: int = 40):
+    """Prompts whose greedy responses hold one token (the test's EOS) at positions far apart,
+    plus n_never prompts whose responses lack it: rows end at very different times."""
+    prompts = _prompts(64, seed=3)
+    ids, att = (x.to(target.device) for x in left_pad(prompts, 0))
+    free = StaticGreedyDecoder(target.model, compact=False).run(ids, att, n, None).tolist()
+    first = lambda x: {row.index(x) for row in free if x in row}
+    eos = max(range(500), key=lambda x: (len(first(x)), -x))
+    ended = sorted((r for r in range(64) if eos in free[r]), key=lambda r: free[r].index(eos))
+    never = [r for r in range(64) if eos not in free[r]][:n_never]
+    return [prompts[r] for r in ended + never], eos
+
+
+class _WarmedUp(StaticGreedyDecoder):
+    """The graph path's step accounting on CPU: each batch size starts with one eager step."""
+
+    def _replay(self, step, dev, n_steps):
+        if n_steps <= 1:
+            return step, 0
+        step()
+        return step, 1
+
+
+def test_compaction_gives_the_same_tokens(tiny_llama):
+    """Ended rows leave the batch (at least twice here); the tokens are those of the uncompacted
+    decoder and of generate, whether every row ends (decoding stops early) or some run on."""
+    for n_never in (0, 2):
+        prompts, eos = _staggered(tiny_llama, n_never)
+        B, ids_att = len(prompts), left_pad(prompts, 0)
+        ref = hf_greedy_batch(tiny_llama, prompts, 40, 0, eos)
+        assert len({len(r) for r in ref}) > 4 and sum(len(r) == 40 for r in ref) == n_never
+        plain = StaticGreedyDecoder(tiny_llama.model, compact=False, check_every=2)
+        large = StaticGreedyDecoder(tiny_llama.model, check_every=2)  # B <= min_rows: as plain
+        dec = StaticGreedyDecoder(tiny_llama.model, check_every=2, min_rows=1)
+        warm = _WarmedUp(tiny_llama.model, check_every=2, min_rows=1)
+        for d in (plain, large, dec, warm):
+            assert cut_at_eos(d.run(*ids_att, 40, eos), eos) == ref
+        assert len(warm.stretches) >= 3
+        assert plain.stretches == large.stretches and len(plain.stretches) == 1
+        sizes, steps = [b for b, _ in dec.stretches], sum(n for _, n in dec.stretches)
+        assert len(sizes) >= 3 and sizes[0] == B and sizes == sorted(sizes, reverse=True)
+        assert steps == plain.stretches[0][1] and (steps < 39) == (n_never == 0)
+        assert sizes[-1] >= n_never and sum(b * n for b, n in dec.stretches) < B * steps
+
+
 def test_packed_gqa_attention_equals_repeated_kv():
     """One query token, grouped KV heads, a per-row padding mask: the packed kernel call gives
     plain SDPA over the repeated cache (what transformers does without packing)."""
