@@ -98,9 +98,8 @@ class DrafterConfig:
     # rope scaling as transformers' rope_parameters minus rope_theta, e.g.
     # {rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}.
     rope_scaling: dict[str, Any] | None = None
-    is_causal: bool | None = (
-        None  # set: every layer causal (true) / bidirectional (false) in the block
-    )
+    # set: every layer causal (true) / bidirectional (false) in the block
+    is_causal: bool | None = None
     input_embedding_scale: float = 1.0  # scales token embeddings
     output_multiplier: float = 1.0  # scales final hidden
     final_logit_softcapping: float | None = None  # tanh cap on logits
@@ -164,6 +163,7 @@ class DataConfig:
     too_long: str = "truncate"  # truncate | drop
     regen_batch_size: int = 32  # prompts per regen batch
     regen_temperature: float = 0.0  # 0: greedy responses
+    regen_compact: bool = True  # CUDA static regen: ended rows leave the batch (false: all stay)
     # Stop regenerating after this many minutes and train on the samples done (batches go in a
     # seeded random order, so the cut keeps a random subset; null: regenerate all).
     regen_time_limit_min: float | None = None

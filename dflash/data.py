@@ -89,6 +89,7 @@ def generate_greedy(
     partial_path: str | None = None,
     log=None,
     time_limit_s: float | None = None,
+    compact: bool = True,
 ) -> list[list[int] | None]:
     """Batched generation with the target (left padding), one response per prompt.
 
@@ -97,7 +98,8 @@ def generate_greedy(
     gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds).
 
     time_limit_s: no new batch starts after that many seconds (of this call); the prompts not
-    reached get None (a random subset of the batches is reached, see _regen_order)."""
+    reached get None (a random subset of the batches is reached, see _regen_order).
+    compact: the static decoder's rows leave the batch once ended (the same responses)."""
     # Batches of similar lengths: left padding (and a static cache as long as the longest
     # prompt) cost little; the responses come back in the prompts' order.
     order = _regen_order(prompts, batch_size, seed)
@@ -129,7 +131,7 @@ def generate_greedy(
                 )
             break
         batch = _generate_batch(
-            target, ordered[i : i + batch_size], max_new_tokens, temperature, seed + i
+            target, ordered[i : i + batch_size], max_new_tokens, temperature, seed + i, compact
         )
         done += batch
         new_tokens += sum(len(r) for r in batch)
@@ -175,7 +177,12 @@ def decoder_name(target, temperature: float) -> str:
 
 
 def _generate_batch(
-    target, chunk: list[list[int]], max_new_tokens: int, temperature: float, seed: int
+    target,
+    chunk: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    compact: bool = True,
 ) -> list[list[int]]:
     tok = target.tokenizer
     pad = (
@@ -187,7 +194,7 @@ def _generate_batch(
     if _static_path(target, temperature):
         from .regen import static_greedy_batch
 
-        return static_greedy_batch(target, chunk, max_new_tokens, pad, eos)
+        return static_greedy_batch(target, chunk, max_new_tokens, pad, eos, compact)
     L = max(len(p) for p in chunk)
     ids = torch.full((len(chunk), L), pad, dtype=torch.long)
     att = torch.zeros(len(chunk), L, dtype=torch.long)
@@ -261,7 +268,7 @@ def build_samples(
     return samples, stats
 
 
-_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to")  # do not change what is regenerated
+_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact")  # same regenerated data
 
 
 def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
@@ -350,6 +357,7 @@ def regenerate_dataset(
         seed=dcfg.seed,
         log=log,
         time_limit_s=None if dcfg.regen_time_limit_min is None else 60 * dcfg.regen_time_limit_min,
+        compact=dcfg.regen_compact,
     )
     reached = [(p, r) for p, r in zip(prompts, responses) if r is not None]
     samples, stats = build_samples(

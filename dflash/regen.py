@@ -254,10 +254,12 @@ def cut_at_eos(tokens_BT: torch.Tensor, eos: int | None) -> list[list[int]]:
     return out
 
 
-def static_greedy_batch(target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos):
+def static_greedy_batch(
+    target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, compact: bool = True
+):
     """Greedy responses for one batch of prompts (the static-cache path of data._generate_batch)."""
     ids, att = left_pad(chunk, pad)
-    dec = StaticGreedyDecoder(target.model)
+    dec = StaticGreedyDecoder(target.model, compact=compact)
     toks = dec.run(ids.to(target.device), att.to(target.device), max_new_tokens, eos)
     return cut_at_eos(toks, eos)
 
