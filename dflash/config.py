@@ -163,7 +163,7 @@ class DataConfig:
     too_long: str = "truncate"  # truncate | drop
     regen_batch_size: int = 32  # prompts per regen batch
     regen_temperature: float = 0.0  # 0: greedy responses
-    regen_compact: bool = True  # CUDA static regen: ended rows leave the batch (false: all stay)
+    regen_compact: bool = False  # CUDA static regen: ended rows leave the batch (GPU: unmeasured)
     # Stop regenerating after this many minutes and train on the samples done (batches go in a
     # seeded random order, so the cut keeps a random subset; null: regenerate all).
     regen_time_limit_min: float | None = None

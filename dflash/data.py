@@ -89,7 +89,7 @@ def generate_greedy(
     partial_path: str | None = None,
     log=None,
     time_limit_s: float | None = None,
-    compact: bool = True,
+    compact: bool = False,
 ) -> list[list[int] | None]:
     """Batched generation with the target (left padding), one response per prompt.
 
@@ -182,7 +182,7 @@ def _generate_batch(
     max_new_tokens: int,
     temperature: float,
     seed: int,
-    compact: bool = True,
+    compact: bool = False,
 ) -> list[list[int]]:
     tok = target.tokenizer
     pad = (

@@ -98,7 +98,7 @@ class StaticGreedyDecoder:
         model,
         use_graph: bool = True,
         compile: bool = False,
-        compact: bool = True,
+        compact: bool = False,
         check_every: int = 32,
         min_rows: int = 64,
         shrink: float = 0.75,
@@ -259,7 +259,7 @@ def cut_at_eos(tokens_BT: torch.Tensor, eos: int | None) -> list[list[int]]:
 
 
 def static_greedy_batch(
-    target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, compact: bool = True
+    target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, compact: bool = False
 ):
     """Greedy responses for one batch of prompts (the static-cache path of data._generate_batch)."""
     ids, att = left_pad(chunk, pad)

@@ -262,7 +262,7 @@ def test_regenerated_dataset_is_cached_and_resumed(tmp_path, tiny_llama):
         for x, y in zip(a, b)
     )
     assert dataset_path(replace(dc, pack_to=64), tc, str(tmp_path)) == path  # packing: same data
-    assert dataset_path(replace(dc, regen_compact=False), tc, str(tmp_path)) == path  # same tokens
+    assert dataset_path(replace(dc, regen_compact=True), tc, str(tmp_path)) == path  # same tokens
 
 
 def test_regen_time_limit_keeps_a_random_subset_of_whole_batches(tmp_path, tiny_llama, monkeypatch):

@@ -173,7 +173,7 @@ def test_static_graph_decoder_compacts_on_cuda():
     prompts, eos = _staggered(t, 2)
     ref = hf_greedy_batch(t, prompts, 40, 0, eos)
     ids, att = left_pad(prompts, 0)
-    dec = StaticGreedyDecoder(t.model, check_every=2, min_rows=1)
+    dec = StaticGreedyDecoder(t.model, compact=True, check_every=2, min_rows=1)
     got = cut_at_eos(dec.run(ids.cuda(), att.cuda(), 40, eos), eos)
     assert dec.graph_used and got == ref and len(dec.stretches) >= 3
 

@@ -79,9 +79,11 @@ def test_compaction_gives_the_same_tokens(tiny_llama):
         ref = hf_greedy_batch(tiny_llama, prompts, 40, 0, eos)
         assert len({len(r) for r in ref}) > 4 and sum(len(r) == 40 for r in ref) == n_never
         plain = StaticGreedyDecoder(tiny_llama.model, compact=False, check_every=2)
-        large = StaticGreedyDecoder(tiny_llama.model, check_every=2)  # B <= min_rows: as plain
-        dec = StaticGreedyDecoder(tiny_llama.model, check_every=2, min_rows=1)
-        warm = _WarmedUp(tiny_llama.model, check_every=2, min_rows=1)
+        large = StaticGreedyDecoder(
+            tiny_llama.model, compact=True, check_every=2
+        )  # B <= min_rows: as plain
+        dec = StaticGreedyDecoder(tiny_llama.model, compact=True, check_every=2, min_rows=1)
+        warm = _WarmedUp(tiny_llama.model, compact=True, check_every=2, min_rows=1)
         for d in (plain, large, dec, warm):
             assert cut_at_eos(d.run(*ids_att, 40, eos), eos) == ref
         assert len(warm.stretches) >= 3
