@@ -164,8 +164,8 @@ class DataConfig:
     regen_batch_size: int = 32  # prompts per regen batch
     regen_temperature: float = 0.0  # 0: greedy responses
     regen_compact: bool = False  # CUDA static regen: ended rows leave the batch (GPU: unmeasured)
-    # Stop regenerating after this many minutes and train on the samples done (batches go in a
-    # seeded random order, so the cut keeps a random subset; null: regenerate all).
+    regen_compile: bool = False  # CUDA static regen: torch.compile the one-token step, then graph
+    # Minutes, then train on the samples done (batches in a seeded random order: a random subset)
     regen_time_limit_min: float | None = None
     seed: int = 1234  # data and order seed
     cache_dir: str | None = None  # default: <run_dir>/data

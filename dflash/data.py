@@ -89,7 +89,7 @@ def generate_greedy(
     partial_path: str | None = None,
     log=None,
     time_limit_s: float | None = None,
-    compact: bool = False,
+    static_kw: dict | None = None,
 ) -> list[list[int] | None]:
     """Batched generation with the target (left padding), one response per prompt.
 
@@ -99,7 +99,7 @@ def generate_greedy(
 
     time_limit_s: no new batch starts after that many seconds (of this call); the prompts not
     reached get None (a random subset of the batches is reached, see _regen_order).
-    compact: the static decoder's rows leave the batch once ended (the same responses)."""
+    static_kw: options of the static decoder (regen.StaticGreedyDecoder: compact, compile)."""
     # Batches of similar lengths: left padding (and a static cache as long as the longest
     # prompt) cost little; the responses come back in the prompts' order.
     order = _regen_order(prompts, batch_size, seed)
@@ -131,7 +131,7 @@ def generate_greedy(
                 )
             break
         batch = _generate_batch(
-            target, ordered[i : i + batch_size], max_new_tokens, temperature, seed + i, compact
+            target, ordered[i : i + batch_size], max_new_tokens, temperature, seed + i, static_kw
         )
         done += batch
         new_tokens += sum(len(r) for r in batch)
@@ -182,7 +182,7 @@ def _generate_batch(
     max_new_tokens: int,
     temperature: float,
     seed: int,
-    compact: bool = False,
+    static_kw: dict | None = None,
 ) -> list[list[int]]:
     tok = target.tokenizer
     pad = (
@@ -194,7 +194,7 @@ def _generate_batch(
     if _static_path(target, temperature):
         from .regen import static_greedy_batch
 
-        return static_greedy_batch(target, chunk, max_new_tokens, pad, eos, compact)
+        return static_greedy_batch(target, chunk, max_new_tokens, pad, eos, **(static_kw or {}))
     L = max(len(p) for p in chunk)
     ids = torch.full((len(chunk), L), pad, dtype=torch.long)
     att = torch.zeros(len(chunk), L, dtype=torch.long)
@@ -268,7 +268,8 @@ def build_samples(
     return samples, stats
 
 
-_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact")  # same regenerated data
+# do not change what is regenerated (the static decoder's options: the same greedy tokens)
+_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
 
 
 def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
@@ -357,7 +358,7 @@ def regenerate_dataset(
         seed=dcfg.seed,
         log=log,
         time_limit_s=None if dcfg.regen_time_limit_min is None else 60 * dcfg.regen_time_limit_min,
-        compact=dcfg.regen_compact,
+        static_kw={"compact": dcfg.regen_compact, "compile": dcfg.regen_compile},
     )
     reached = [(p, r) for p, r in zip(prompts, responses) if r is not None]
     samples, stats = build_samples(

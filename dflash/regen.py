@@ -174,7 +174,7 @@ class StaticGreedyDecoder:
             st["valid"].index_fill_(1, st["cpos"], True)
 
         if self.compile:
-            step = torch.compile(step)
+            step = _compiled(step)
         self.graph_used, self.stretches = False, []
         done, replay = 1, None  # tokens decoded per row; the step for the current batch
         while done < max_new:
@@ -239,6 +239,21 @@ class StaticGreedyDecoder:
         return graph.replay
 
 
+def _compiled(step):
+    """The step compiled once for every batch size B and cache length L: dynamic shapes, without
+    duck sizing (which would tie B to L or to max_new when they happen to be equal in the first
+    batch, and recompile at the next batch or compaction)."""
+    from torch.fx.experimental import _config as fx_config
+
+    fn = torch.compile(step, dynamic=True)
+
+    def run():
+        with fx_config.patch(use_duck_shape=False):
+            fn()
+
+    return run
+
+
 def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad, dtype=torch.long)
@@ -259,11 +274,11 @@ def cut_at_eos(tokens_BT: torch.Tensor, eos: int | None) -> list[list[int]]:
 
 
 def static_greedy_batch(
-    target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, compact: bool = False
+    target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, **decoder_kw
 ):
     """Greedy responses for one batch of prompts (the static-cache path of data._generate_batch)."""
     ids, att = left_pad(chunk, pad)
-    dec = StaticGreedyDecoder(target.model, compact=compact)
+    dec = StaticGreedyDecoder(target.model, **decoder_kw)
     toks = dec.run(ids.to(target.device), att.to(target.device), max_new_tokens, eos)
     return cut_at_eos(toks, eos)
 

@@ -1,6 +1,7 @@
 """The static-cache greedy decoder gives HF `generate`'s tokens (CPU: eager steps; the CUDA
 graph path is in the GPU tier), and datasets/partials round-trip through the shard formats."""
 
+import pytest
 import torch
 
 import dflash.regen as regen
@@ -92,6 +93,30 @@ def test_compaction_gives_the_same_tokens(tiny_llama):
         assert len(sizes) >= 3 and sizes[0] == B and sizes == sorted(sizes, reverse=True)
         assert steps == plain.stretches[0][1] and (steps < 39) == (n_never == 0)
         assert sizes[-1] >= n_never and sum(b * n for b, n in dec.stretches) < B * steps
+
+
+@pytest.mark.slow
+def test_compiled_step_compiles_once_for_every_batch_shape(tiny_llama):
+    """data.regen_compile: the step is compiled with dynamic shapes, so batches of other sizes and
+    prompt lengths, and the smaller batches of compaction, reuse the one graph (a compile per
+    shape would cost a budgeted run tens of seconds each); the tokens are the eager step's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    prompts, eos = _staggered(tiny_llama, 2)
+    new = 40
+    many = (prompts * new)[:new]  # B == max_new: duck sizing would tie the two sizes
+    for sub in (many, prompts[1:], prompts[-5:]):  # other B and prompt lengths
+        ids_att = left_pad(sub, 0)
+        plain = StaticGreedyDecoder(tiny_llama.model)
+        dec = StaticGreedyDecoder(tiny_llama.model, compile=True, compact=True, check_every=2)
+        dec.min_rows = 1
+        assert cut_at_eos(dec.run(*ids_att, new, eos), eos) == cut_at_eos(
+            plain.run(*ids_att, new, eos), eos
+        )
+        assert graphs() == 1, f"recompiled: {graphs()} graphs"
+    assert len(dec.stretches) >= 2  # compaction ran under the compiled step too
 
 
 def test_packed_gqa_attention_equals_repeated_kv():
