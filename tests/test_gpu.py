@@ -176,6 +176,10 @@ def test_static_graph_decoder_compacts_on_cuda():
     dec = StaticGreedyDecoder(t.model, compact=True, check_every=2, min_rows=1)
     got = cut_at_eos(dec.run(ids.cuda(), att.cuda(), 40, eos), eos)
     assert dec.graph_used and got == ref and len(dec.stretches) >= 3
+    # data.regen_compile: the compiled step, captured per batch size, compacting as it goes
+    dec = StaticGreedyDecoder(t.model, compile=True, compact=True, check_every=2, min_rows=1)
+    got = cut_at_eos(dec.run(ids.cuda(), att.cuda(), 40, eos), eos)
+    assert dec.graph_used and got == ref and len(dec.stretches) >= 3
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
