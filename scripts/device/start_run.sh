@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Device call after the other chunks are up: copy the last chunk, assemble, start chain.sh in its
+# own session (it outlives the call while the machine stays warm), then wait like wait_run.sh.
+#   EXP=smollm2_coder LAST=sm_01 BUDGET=20 EXTRA="data.num_samples=48000" bash scripts/device/start_run.sh
+source scripts/device/env.sh
+cp .gl/${LAST:-q05_07} /tmp/a/parts/
+assemble || exit 1
+rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r $(ls -A | grep -v '^.gl$') /tmp/repo/
+export EXP=${EXP:-qwen05_coder} BUDGET=${BUDGET:-20} EXTRA="${EXTRA:-}"
+setsid nohup bash /tmp/repo/scripts/device/chain.sh > /tmp/res/chain.log 2>&1 < /dev/null &
+W=${W:-540} bash scripts/device/wait_run.sh

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Wait up to W s for the chain to finish, then tar what is there into $OUT/all.tgz (a call brings
+# back a few files only) and print the status, the last log lines and the decode tables.
+W=${W:-540}; t=0
+while [ ! -f /tmp/res/done ] && [ $t -lt $W ]; do sleep 10; t=$((t+10)); done
+cp /tmp/runs/main/metrics.* /tmp/runs/main/train.log /tmp/res/ 2>/dev/null
+tar czf $OUT/all.tgz -C /tmp res 2>/dev/null
+cat /tmp/res/status 2>/dev/null
+grep -E "tau|tokens_per_s|time budget" /tmp/res/train.out | tail -6
+echo "recompile lines: $(grep -c Recompiling /tmp/res/train.out 2>/dev/null)"
+[ -f /tmp/res/done ] && { tail -28 /tmp/res/eval.out; tail -12 /tmp/res/eval32.out; }
+nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
