@@ -119,10 +119,13 @@ class StaticGreedyDecoder:
     def _run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
         from transformers import StaticCache
 
+        from .decoding.cache import cache_kw
+
         model, dev = self.model, ids_BP.device
         B, P = ids_BP.shape
         L = P + max_new
         cache = StaticCache(config=model.config, max_cache_len=L)
+        ckw = {cache_kw(model): cache}  # `cache` (transformers >= 5.24) or `past_key_values`
         valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
         valid[:, :P] = att_BP.bool()
         # Prefill: causal over real tokens; a padding query sees itself so its (unused) row of
@@ -136,7 +139,7 @@ class StaticGreedyDecoder:
             input_ids=ids_BP,
             attention_mask=mask[:, None],
             position_ids=pos,
-            past_key_values=cache,
+            **ckw,
             cache_position=q_P,
             use_cache=True,
             logits_to_keep=1,
@@ -161,7 +164,7 @@ class StaticGreedyDecoder:
                 input_ids=st["tok"],
                 attention_mask=st["valid"][:, None, None, :],
                 position_ids=st["pos"],
-                past_key_values=cache,
+                **ckw,
                 cache_position=st["cpos"],
                 use_cache=True,
             )
