@@ -569,7 +569,10 @@ def test_colocated_two_ranks_zero3_is_ddp_up_to_adam_eps(split_ref, root):
         ours, ddp = _master(job, step), _master(split_ref, step)
         gaps[step] = {k: (ours[k] - ddp[k]).abs() for k in ddp}
         off = sum(int((g > 1e-5 + 1e-4 * ddp[k].abs()).sum()) for k, g in gaps[step].items())
-        assert off <= 10, f"step {step}: {off} weights off DDP's (expected a few, near eps)"
+        n = sum(v.numel() for v in ddp.values())
+        # a few per 100k: which weights' gradients land near eps depends on the CPU's fp32
+        # rounding (4 of 345k on one machine, 14 on another)
+        assert off <= 1e-4 * n, f"step {step}: {off} of {n} weights off DDP's (expected a few)"
     for k, g in gaps[6].items():  # no drift: the step-2 gap, plus rounding, bounds step 6's
         assert (g <= gaps[2][k] + 2e-5).all(), (k, float((g - gaps[2][k]).max()))
 
