@@ -197,14 +197,13 @@ class StaticGreedyDecoder:
             if self.compact and len(live) > self.min_rows and n_live <= self.shrink * len(live):
                 self._compact(cache, st, tokens_BT, live.nonzero()[:, 0])
                 replay = None  # dropping the old graph frees its memory pool
-        if st["tokens"] is not tokens_BT:
-            tokens_BT.index_copy_(0, st["rows"], st["tokens"])
+        _write_back(st, tokens_BT)
         return tokens_BT
 
     def _replay(self, step, dev, n_steps: int):
         """(the step to repeat for the current batch, steps already run): on CUDA a captured
-        graph, after one eager warm-up step (it decodes a token, sizes the cache on the first
-        batch and compiles a compiled step for this batch size)."""
+        graph, after one eager warm-up step (it decodes a token; on the first batch it also sizes
+        the cache and compiles a compiled step)."""
         if not (self.use_graph and dev.type == "cuda" and n_steps > 1):
             return step, 0
         step()
@@ -220,8 +219,7 @@ class StaticGreedyDecoder:
     @staticmethod
     def _compact(cache, st: dict, tokens_BT: torch.Tensor, keep: torch.Tensor) -> None:
         """Keep only rows `keep` of the batch (ended rows' tokens are written out first)."""
-        if st["tokens"] is not tokens_BT:
-            tokens_BT.index_copy_(0, st["rows"], st["tokens"])
+        _write_back(st, tokens_BT)
         for k in ("tokens", "rows", "tok", "pos", "valid"):
             st[k] = st[k].index_select(0, keep)
         for layer in cache.layers:  # one layer at a time: the old K/V go before the next
@@ -240,6 +238,12 @@ class StaticGreedyDecoder:
             step()
         torch.cuda.current_stream().wait_stream(s)
         return graph.replay
+
+
+def _write_back(st: dict, tokens_BT: torch.Tensor) -> None:
+    """The current batch's token rows into their rows of the output (once compacted)."""
+    if st["tokens"] is not tokens_BT:
+        tokens_BT.index_copy_(0, st["rows"], st["tokens"])
 
 
 def _compiled(step):
