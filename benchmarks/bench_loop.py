@@ -89,7 +89,7 @@ def build_target(name: str, backend: str):
     return load_target(tcfg, num_aux=3 if TARGETS[name][1] != "qwen3_6_27b" else 5), weights
 
 
-def build_drafter(name: str, target):
+def build_drafter(name: str, target, layers: int | None = None):
     from dflash.config import DrafterConfig
     from dflash.drafter import DFlashDrafter
     from dflash.target import load_conf
@@ -97,6 +97,8 @@ def build_drafter(name: str, target):
     dname = TARGETS[name][1]
     raw = load_conf("drafter", dname) if dname else dict(num_layers=3, block_size=16)
     raw["target_layer_ids"] = list(target.layer_ids)
+    if layers:
+        raw["num_layers"], raw["layer_types"] = layers, None
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
     dcfg = DrafterConfig(**{k: v for k, v in raw.items() if k in fields})
     try:  # current layout
@@ -195,6 +197,13 @@ def main() -> None:
     ap.add_argument(
         "--compile-target", action="store_true", help="torch.compile each target decoder layer"
     )
+    ap.add_argument("--layers", type=int, default=None, help="drafter layers (default: 3)")
+    ap.add_argument(
+        "--label-sampling",
+        default="all",
+        choices=["all", "by_weight"],
+        help="train.label_sampling of the loop (the step is also timed both ways)",
+    )
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of loop steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -214,9 +223,13 @@ def main() -> None:
     if args.compile_target:  # per layer, so the aux-tap hooks on the layers stay outside
         for layer in target.decoder_layers():
             layer.forward = torch.compile(layer.forward, dynamic=True)
-    drafter = build_drafter(args.target, target)
+    drafter = build_drafter(args.target, target, args.layers)
     tc = dict(
-        max_anchors=args.anchors, steps=10_000, attn_kernel=args.attn_kernel, compile=args.compile
+        max_anchors=args.anchors,
+        steps=10_000,
+        attn_kernel=args.attn_kernel,
+        compile=args.compile,
+        label_sampling=args.label_sampling,
     )
     tc = {k: v for k, v in tc.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
     tr = DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), TrainConfig(**tc), dev)
@@ -308,6 +321,27 @@ def main() -> None:
         s_step = s_fz if on else s_eager
     else:
         s_step = throughput(one, args.steps, args.warmup, dev)
+    # every label vs labels kept by weight (train.label_sampling), the loop's mode restored after
+    s_all = s_lw = None
+    if hasattr(tr, "keep_p_k"):
+        from dflash.loss import position_weights
+
+        w = position_weights(drafter.spec.block_size, tr.cfg.gamma)
+        mode_p = tr.keep_p_k
+
+        def keep(p, fn):
+            def run(i):
+                tr.keep_p_k = p
+                return fn(i)
+
+            return run
+
+        s_all, s_lw = ab(
+            ("step_all_labels", "step_by_weight"),
+            fused(on, keep(None, one)),
+            fused(on, keep(w / w.max(), one)),
+        )
+        tr.keep_p_k = mode_p
     tps_step, tf_step = mean(tokens) / s_step, mean(step_flops) / s_step / 1e12
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
     s_loop, s_rd = ab(
@@ -371,6 +405,16 @@ def main() -> None:
                 "step_fused_speedup": s_eager / s_fz,
             }
             if fuse is not None
+            else {}
+        ),
+        **(
+            {
+                "label_sampling": args.label_sampling,
+                "step_all_labels_ms": s_all * 1e3,
+                "step_by_weight_ms": s_lw * 1e3,
+                "by_weight_speedup": s_all / s_lw,
+            }
+            if s_all
             else {}
         ),
         "loop_ms": s_loop * 1e3,

@@ -56,6 +56,18 @@ def sample_anchors(candidates_NT: torch.Tensor, max_anchors: int, seeds_N: list[
     return pad_anchors(rows, candidates_NT.device)
 
 
+def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape, max_anchors: int):
+    """Which of the [N, A, B-1] labels a step keeps (`train.label_sampling=by_weight`): block
+    position k with probability keep_p_k[k], per row from its own seed and drawn for
+    `max_anchors` anchors, so a row's draw does not depend on the batch's padded anchor count."""
+    N, A, K = shape
+    out = torch.empty(shape, dtype=torch.bool)
+    for n in range(N):
+        g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
+        out[n] = torch.rand(max(A, max_anchors), K, generator=g)[:A] < keep_p_k
+    return out
+
+
 def pad_anchors(rows: list, device) -> tuple[torch.Tensor, torch.Tensor]:
     A = max(1, max((r.numel() for r in rows), default=1))
     anchors = torch.zeros(len(rows), A, dtype=torch.long)

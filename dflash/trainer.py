@@ -23,6 +23,7 @@ from .blocks import (
     label_valid,
     mask_rules,
     sample_anchors,
+    sample_kept_labels,
 )
 from .budget import TimeBudget, budget_lr
 from .config import TrainConfig
@@ -41,8 +42,10 @@ class Prepared:
 
     labels_NAK / label_valid_NAK: the target's next token at block positions 1..B-1 and whether
     it is a real label; weights_NAK: position weight x validity (the loss denominator).
-    label_index_M / hidden_index_M: where the M real labels are in labels_NAK.flatten() and in
-    the drafter's [N*Q] outputs (chosen on the host: indexing with them needs no sync);
+    label_index_M / hidden_index_M: where the M labels the loss uses are in labels_NAK.flatten()
+    and in the drafter's [N*Q] outputs (chosen on the host: indexing with them needs no sync);
+    all real labels, or under `train.label_sampling=by_weight` a random subset of them whose
+    loss weights (`loss_weights_NAK`, weight / keep probability) keep the loss unbiased.
     num_labels, num_tokens: host counts."""
 
     blocks: Blocks
@@ -53,6 +56,7 @@ class Prepared:
     hidden_index_M: torch.Tensor
     num_labels: int
     num_tokens: int
+    loss_weights_NAK: torch.Tensor | None = None  # None: weights_NAK
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, A, B-1, ...] -> its M labelled entries, in row-major order (= x[label_valid])."""
@@ -113,6 +117,11 @@ class DrafterTrainer:
             self.par.base_optimizer, lambda s: self._lr_factor(s)
         )
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
+        # train.label_sampling=by_weight: P(keep position k's label) = w_k / w_1 (host tensor)
+        self.keep_p_k = None
+        if cfg.label_sampling == "by_weight":
+            w = position_weights(self.spec.block_size, cfg.gamma)
+            self.keep_p_k = w / w.max()
         self.attn_kernel = resolve_kernel(cfg.attn_kernel, device)
         self.step = 0
         self._interval = None  # summed step figures since interval_counts() last read them
@@ -142,6 +151,11 @@ class DrafterTrainer:
         seeds = [row_seed(self.cfg.seed, step, int(k)) for k in tb.row_seeds]
         anchors_h, valid_h = sample_anchors(cand, self.cfg.max_anchors, seeds)
         lvalid_h = label_valid(host.loss_mask_NT, host.segment_ids_NT, anchors_h, valid_h, B)
+        if self.keep_p_k is not None:  # train.label_sampling=by_weight
+            seeds_keep = [row_seed(self.cfg.seed + 2, step, int(k)) for k in tb.row_seeds]
+            lvalid_h = lvalid_h & sample_kept_labels(
+                self.keep_p_k, seeds_keep, lvalid_h.shape, self.cfg.max_anchors
+            )
         label_idx = lvalid_h.flatten().nonzero().flatten()
         n, k = label_idx.div(B - 1, rounding_mode="floor"), label_idx % (B - 1)
         anchors, valid, label_idx, hidden_idx = (
@@ -161,15 +175,17 @@ class DrafterTrainer:
         # the same rule on the device's loss mask: a deferred screen (build.screen_batch) may
         # have dropped a sample after the host copy was taken; its labels then weigh nothing
         lvalid = label_valid(tb.loss_mask_NT, tb.segment_ids_NT, anchors, valid, B)
+        weights = self.weights_k[None, None, :] * lvalid
         return Prepared(
             blocks,
             gather_labels(tb.next_token_NT, anchors, B),
             lvalid,
-            self.weights_k[None, None, :] * lvalid,
+            weights,
             label_idx,
             hidden_idx,
             num_labels=label_idx.numel(),
             num_tokens=num_tokens,
+            loss_weights_NAK=None if self.keep_p_k is None else weights / self.keep_p_k.to(dev),
         )
 
     def autocast(self):
@@ -179,7 +195,8 @@ class DrafterTrainer:
 
     def forward_sums(self, tb: TargetBatch, prepared: Prepared, model: nn.Module | None = None):
         blocks, p = prepared.blocks, prepared
-        labels, weights = p.select(p.labels_NAK), p.select(p.weights_NAK)
+        labels = p.select(p.labels_NAK)
+        weights = p.select(p.weights_NAK if p.loss_weights_NAK is None else p.loss_weights_NAK)
         model = model or self.model
         N, A = blocks.anchors_NA.shape
         B = self.spec.block_size

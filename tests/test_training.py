@@ -284,3 +284,53 @@ def test_overlapped_capture_trains_on_the_same_batches_and_resumes_exactly(tmp_p
     ):
         for k in a:
             assert torch.allclose(a[k], b[k], rtol=0, atol=1e-7), (k, (a[k] - b[k]).abs().max())
+
+
+def test_label_sampling_by_weight_is_unbiased_and_seeded(tiny_qwen):
+    """train.label_sampling=by_weight keeps block position k's label with probability w_k / w_1
+    and weighs a kept label w_k / p_k: per position the keep rate matches p_k, the expected
+    loss weight is the full weight (so the expected loss and gradient are the full ones), the
+    denominator is unchanged, position 1 is always kept, and the draw is a function of the
+    step and the row's sample (same on a re-run and in a smaller micro-batch)."""
+    s = _samples(tiny_qwen, n=4, L=40)
+    tb = target_forward(tiny_qwen, collate(s))
+    drafter = make_drafter(tiny_qwen)
+    full, tr = (
+        _trainer(tiny_qwen, drafter),
+        _trainer(tiny_qwen, drafter, label_sampling="by_weight"),
+    )
+    p_k = tr.keep_p_k
+    assert p_k[0] == 1 and torch.all(p_k[1:] < p_k[:-1])
+    n, kept, real, lw_sum, w_full, loss, ref_loss = 300, 0, 0, 0, 0, 0.0, 0.0
+    with torch.no_grad():
+        for step in range(n):
+            p, ref = tr.prepare(tb, step), full.prepare(tb, step)  # the same anchors
+            assert torch.equal(p.weights_NAK, ref.weights_NAK)  # the denominator is unchanged
+            mask = torch.zeros(p.labels_NAK.numel(), dtype=torch.bool)
+            mask[p.label_index_M] = True
+            mask = mask.view_as(p.label_valid_NAK)
+            assert not (mask & ~ref.label_valid_NAK).any()  # only real labels are kept
+            assert mask[..., 0].equal(ref.label_valid_NAK[..., 0])  # position 1: always
+            assert torch.allclose(p.loss_weights_NAK * p_k, p.weights_NAK)
+            kept = kept + mask.float().sum((0, 1))
+            real = real + ref.label_valid_NAK.float().sum((0, 1))
+            lw_sum = lw_sum + (p.loss_weights_NAK * mask).sum((0, 1))
+            w_full = w_full + ref.weights_NAK.sum((0, 1))
+            loss += float(tr.forward_sums(tb, p)[0])
+            ref_loss += float(full.forward_sums(tb, ref)[0])
+    rate = kept / real
+    assert torch.all((rate - p_k).abs() <= 4 * (p_k * (1 - p_k) / real).sqrt() + 1e-6)
+    assert torch.allclose(lw_sum, w_full, rtol=0.05)
+    assert loss == pytest.approx(ref_loss, rel=0.02)
+    # seeded per step and per sample: the same step draws the same labels, in any grouping
+    a, b = tr.prepare(tb, 7), tr.prepare(tb, 7)
+    assert torch.equal(a.label_index_M, b.label_index_M)
+    assert not torch.equal(a.label_index_M, tr.prepare(tb, 8).label_index_M)
+    sub = tr.prepare(target_forward(tiny_qwen, collate(s[2:])), 7)
+    K = a.labels_NAK.shape[-1]
+    keep_a = torch.zeros(a.labels_NAK.numel(), dtype=torch.bool)
+    keep_a[a.label_index_M] = True
+    keep_sub = torch.zeros(sub.labels_NAK.numel(), dtype=torch.bool)
+    keep_sub[sub.label_index_M] = True
+    A_sub = sub.labels_NAK.shape[1]
+    assert torch.equal(keep_a.view(4, -1, K)[2:, :A_sub], keep_sub.view(2, A_sub, K))
