@@ -2,6 +2,11 @@
 # Wait up to W s for the chain to finish, then tar what is there into $OUT/all.tgz (a call brings
 # back a few files only) and print the status, the last log lines and the decode tables.
 W=${W:-540}; t=0
+if [ ! -f /tmp/res/started ]; then  # a fresh machine: the previous one (and its run) is gone
+  echo "NO RUN ON THIS MACHINE: the machine holding the run was released (a gap of more than 30 s"
+  echo "between calls); its /tmp is lost. Start again (upload the chunks, start_run.sh)."
+  exit 3
+fi
 while [ ! -f /tmp/res/done ] && [ $t -lt $W ]; do sleep 10; t=$((t+10)); done
 cp /tmp/runs/main/metrics.* /tmp/runs/main/train.log /tmp/res/ 2>/dev/null
 tar czf $OUT/all.tgz -C /tmp res 2>/dev/null
