@@ -181,6 +181,42 @@ def throughput(fn, n: int, warmup: int, dev) -> float:
     return (time.perf_counter() - t) / n
 
 
+def profile_steps(path: str, dev, fn, what: str, n: int = 5) -> None:
+    """torch.profiler over n calls of fn: the table by device time (to `path`), and where a
+    call's wall time goes: summed kernel time, kernel count and the trainer's phases
+    (`dflash.*` record_function ranges: host time and the device time of their kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(0)
+    sync(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for i in range(n):
+            fn(i)
+        sync(dev)
+    wall = (time.perf_counter() - t) / n * 1e3
+    avgs = prof.key_averages()
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy = sum(e.device_time for e in kernels if hasattr(e, "device_time")) / 1e3 / n
+    lines = [
+        f"# {what}: {n} calls, wall {wall:.2f} ms per call (profiled)",
+        f"# kernels per call {len(kernels) / n:.0f}, kernel time {busy:.2f} ms per call",
+    ]
+    for e in avgs:
+        if e.key.startswith("dflash."):
+            lines.append(
+                f"# {e.key}: host {e.cpu_time_total / 1e3 / n:.2f} ms, "
+                f"device {getattr(e, 'device_time_total', 0) / 1e3 / n:.2f} ms per call"
+            )
+    table = avgs.table(sort_by=key, row_limit=45)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n" + table)
+    print("\n".join(lines))
+    print(avgs.table(sort_by=key, row_limit=15))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="tiny", choices=sorted(TARGETS))
@@ -194,6 +230,7 @@ def main() -> None:
     ap.add_argument("--ab-rounds", type=int, default=4, help="alternating rounds of each A/B pair")
     ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel (this branch)")
     ap.add_argument("--compile", action="store_true", help="train.compile (this branch)")
+    ap.add_argument("--fuse", action="store_true", help="train.fuse (the loop and the profile)")
     ap.add_argument(
         "--compile-target", action="store_true", help="torch.compile each target decoder layer"
     )
@@ -229,6 +266,7 @@ def main() -> None:
         steps=10_000,
         attn_kernel=args.attn_kernel,
         compile=args.compile,
+        fuse=args.fuse,
         label_sampling=args.label_sampling,
     )
     tc = {k: v for k, v in tc.items() if k in {f.name for f in dataclasses.fields(TrainConfig)}}
@@ -239,7 +277,11 @@ def main() -> None:
         nb * args.rows, args.seq, target.vocab_size, target.mask_token_id, 0, args.min_len
     )
     cpu_batches = [
-        dbatch.collate(samples[i * args.rows : (i + 1) * args.rows], pad_id=target.mask_token_id)
+        dbatch.collate(
+            samples[i * args.rows : (i + 1) * args.rows],
+            pad_id=target.mask_token_id,
+            **({"pad_to": args.seq} if args.compile else {}),  # static shapes, as train.py
+        )
         for i in range(nb)
     ]
     tokens = [
@@ -439,17 +481,8 @@ def main() -> None:
     }
     report(res, args.out)
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            for i in range(5):
-                tr.train_step([capture(i)])
-            sync(dev)
-        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
-        with open(args.profile, "w") as f:
-            f.write(prof.key_averages().table(sort_by=key, row_limit=40))
-        print(prof.key_averages().table(sort_by=key, row_limit=12))
+        profile_steps(args.profile, dev, lambda i: step_fn([tbs[i % nb]]), "drafter step alone")
+        profile_steps(args.profile + ".loop", dev, lambda i: tr.train_step([capture(i)]), "loop")
 
 
 if __name__ == "__main__":

@@ -87,8 +87,12 @@ class TargetBatch(TokenBatch):
         return int((self.host_tokens().segment_ids_NT >= 0).sum())
 
 
-def collate(samples: list[Sample], pad_id: int = 0, pack_to: int | None = None) -> TokenBatch:
-    """Pad each sample to its own row, or (pack_to=L) first-fit pack samples into rows of L."""
+def collate(
+    samples: list[Sample], pad_id: int = 0, pack_to: int | None = None, pad_to: int | None = None
+) -> TokenBatch:
+    """Pad each sample to its own row, or (pack_to=L) first-fit pack samples into rows of L.
+    pad_to=L: rows are at least L long (static shapes for `train.compile`; the padding is
+    segment -1, which nothing attends to or is labelled on)."""
     rows: list[list[Sample]] = [[s] for s in samples]
     if pack_to is not None:
         rows = []
@@ -103,7 +107,7 @@ def collate(samples: list[Sample], pad_id: int = 0, pack_to: int | None = None) 
             else:
                 rows.append([s])
                 fill.append(n)
-    T = max(sum(s.input_ids.numel() for s in row) for row in rows)
+    T = max(max(sum(s.input_ids.numel() for s in row) for row in rows), pad_to or 0)
     N = len(rows)
     ids = torch.full((N, T), pad_id, dtype=torch.long)
     pos = torch.zeros(N, T, dtype=torch.long)

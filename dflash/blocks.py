@@ -42,9 +42,12 @@ def candidate_anchors(segment_ids_NT: torch.Tensor, loss_mask_NT: torch.Tensor) 
     return ok
 
 
-def sample_anchors(candidates_NT: torch.Tensor, max_anchors: int, seeds_N: list[int]):
+def sample_anchors(
+    candidates_NT: torch.Tensor, max_anchors: int, seeds_N: list[int], pad: bool = False
+):
     """Uniform without replacement, per row from its own seed (so a row's anchors do not depend on
-    how rows are grouped into micro-batches or ranks). Returns anchors_NA, valid_NA (A = max count)."""
+    how rows are grouped into micro-batches or ranks). Returns anchors_NA, valid_NA (A = the
+    largest count, or max_anchors with pad=True: static shapes under `train.compile`)."""
     rows = []
     cand = candidates_NT.cpu()  # one device->host copy for the batch, not one per row
     for n in range(cand.shape[0]):
@@ -53,7 +56,7 @@ def sample_anchors(candidates_NT: torch.Tensor, max_anchors: int, seeds_N: list[
             g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
             idx = idx[torch.randperm(idx.numel(), generator=g)[:max_anchors]].sort().values
         rows.append(idx)
-    return pad_anchors(rows, candidates_NT.device)
+    return pad_anchors(rows, candidates_NT.device, max_anchors if pad else 1)
 
 
 def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape, max_anchors: int):
@@ -68,8 +71,8 @@ def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape, max_an
     return out
 
 
-def pad_anchors(rows: list, device) -> tuple[torch.Tensor, torch.Tensor]:
-    A = max(1, max((r.numel() for r in rows), default=1))
+def pad_anchors(rows: list, device, min_count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    A = max(min_count, max((r.numel() for r in rows), default=1))
     anchors = torch.zeros(len(rows), A, dtype=torch.long)
     valid = torch.zeros(len(rows), A, dtype=torch.bool)
     for n, r in enumerate(rows):

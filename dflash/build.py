@@ -53,9 +53,20 @@ def make_batch(target: Target, samples: list, idx: list[int], cfg: RunConfig) ->
     """The clean target forward over samples[idx]: the same in colocated and split mode."""
     # left on the host: target_forward reads the sample spans there, then moves it once
     batch = collate(
-        [samples[i] for i in idx], pad_id=target.mask_token_id, pack_to=cfg.data.pack_to
+        [samples[i] for i in idx],
+        pad_id=target.mask_token_id,
+        pack_to=cfg.data.pack_to,
+        pad_to=static_length(cfg),
     )
     return target_forward(target, batch, with_final_hidden=cfg.train.loss == "soft_kl")
+
+
+def static_length(cfg: RunConfig) -> int | None:
+    """Row length every batch is padded to under `train.compile` (one compiled drafter graph
+    instead of one per batch length): data.pack_to when packing, else data.max_length."""
+    if not cfg.train.compile:
+        return None
+    return cfg.data.pack_to or cfg.data.max_length
 
 
 class BadBatchError(ValueError):

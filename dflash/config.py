@@ -216,7 +216,7 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
     lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
-    compile: bool = False  # torch.compile the drafter (fuses norms, RoPE, casts; CUDA)
+    compile: bool = False  # the drafter as one static compiled graph (rows padded to max_length)
     fuse: bool = False  # CUDA: one compiled kernel per RMSNorm / RoPE / SwiGLU (dflash.fuse)
     seed: int = 0  # init, anchors, noise
     log_every: int = 10  # steps between logs

@@ -95,11 +95,12 @@ def _compiled_flex():
 def flex_attention(q, k, v, block_mask) -> torch.Tensor:
     """q [N, h, Q, d], k/v [N, kv, K, d] (GQA without expanding K/V). Compiled on CUDA; on CPU
     the eager implementation (a reference, used by the tests)."""
-    # flex is not on autocast's list: run it in the autocast dtype as SDPA would (the norms and
-    # RoPE hand back float32 under autocast).
-    dev = q.device.type
-    dt = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
-    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    # flex is not on autocast's list: run it in the autocast dtype as SDPA would. The norms and
+    # RoPE hand q and k back in float32 under autocast; v comes straight from a linear layer, so
+    # its dtype is the autocast one (or the model's without autocast), read without asking the
+    # autocast state (which a traced graph would break on).
+    dt = v.dtype
+    q, k = q.to(dt), k.to(dt)
     if q.is_cuda and not torch.compiler.is_compiling():  # inside torch.compile: traced as is
         fn = _compiled_flex()
     else:
@@ -108,8 +109,10 @@ def flex_attention(q, k, v, block_mask) -> torch.Tensor:
 
 
 def is_block_mask(mask) -> bool:
-    if not flex_available():
-        return False
-    from torch.nn.attention.flex_attention import BlockMask
+    return _BlockMask is not None and isinstance(mask, _BlockMask)
 
-    return isinstance(mask, BlockMask)
+
+try:  # resolved once: is_block_mask runs inside compiled drafter graphs (train.compile)
+    from torch.nn.attention.flex_attention import BlockMask as _BlockMask
+except ImportError:
+    _BlockMask = None

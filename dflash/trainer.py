@@ -7,11 +7,13 @@ Q = A*B, H hidden, M labelled positions.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 
 from . import fuse
 from .batch import TargetBatch, add_input_noise, to_device
@@ -108,8 +110,13 @@ class DrafterTrainer:
         self.model: nn.Module = self.par.model
         self.opt = self.par.optimizer
         fuse.ENABLED = cfg.fuse  # process-wide: the in-loop eval runs the same kernels
-        if cfg.compile:  # shapes change with every batch: dynamic after the first recompile
-            self.model = torch.compile(self.model)
+        # train.compile: batches come padded to one row length (build.static_length) and the
+        # anchors to max_anchors, so the drafter is one static graph, compiled once
+        self._compile_pending = cfg.compile
+        if cfg.compile:
+            # the rotary's per-device frequency cache filled here, not inside the traced graph
+            self.drafter.rotary.cos_sin(torch.zeros(1, dtype=torch.long, device=device), self.dtype)
+            self.model = torch.compile(self.model, dynamic=False)
         # train.time_budget_min: the schedule follows the clock (dflash.budget), not the step
         self.budget = TimeBudget(cfg.time_budget_min) if cfg.time_budget_min else None
         self._progress = 0.0
@@ -149,7 +156,7 @@ class DrafterTrainer:
         dev = tb.input_ids_NT.device
         cand = candidate_anchors(host.segment_ids_NT, host.loss_mask_NT)
         seeds = [row_seed(self.cfg.seed, step, int(k)) for k in tb.row_seeds]
-        anchors_h, valid_h = sample_anchors(cand, self.cfg.max_anchors, seeds)
+        anchors_h, valid_h = sample_anchors(cand, self.cfg.max_anchors, seeds, self.cfg.compile)
         lvalid_h = label_valid(host.loss_mask_NT, host.segment_ids_NT, anchors_h, valid_h, B)
         if self.keep_p_k is not None:  # train.label_sampling=by_weight
             seeds_keep = [row_seed(self.cfg.seed + 2, step, int(k)) for k in tb.row_seeds]
@@ -271,9 +278,27 @@ class DrafterTrainer:
         """One optimizer step without a host sync: the figures stay on the device until read.
         sum-then-divide by the global weight sum: grad accumulation and DP give the gradient of
         one big batch."""
+        if not self._compile_pending:
+            return self._step_async(micro)
+        self._compile_pending = False
+        try:  # train.compile: the first step compiles; if that fails, the run goes on eager
+            return self._step_async(micro)
+        except Exception as e:  # noqa: BLE001 -- an error of the eager step raises again below
+            warnings.warn(
+                f"train.compile: the compiled drafter step failed ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); training goes on without "
+                "compile (set train.compile=false to skip the attempt)",
+                stacklevel=2,
+            )
+            self.model = self.par.model
+            self.par.base_optimizer.zero_grad(set_to_none=True)
+            return self._step_async(micro)
+
+    def _step_async(self, micro: list[TargetBatch]) -> StepFigures:
         step = self.step
         self.model.train()
-        prepared = [self.prepare(tb, step) for tb in micro]
+        with record_function("dflash.prepare"):
+            prepared = [self.prepare(tb, step) for tb in micro]
         w_sum = self._all_reduce(torch.stack([p.weights_NAK.sum() for p in prepared]).sum().float())
         denom = w_sum.clamp(min=1e-8)
         loss_total = torch.zeros((), device=self.device)
@@ -286,12 +311,15 @@ class DrafterTrainer:
                 )
                 tb = add_input_noise(tb, self.cfg.noise_std, g)
             with self.par.accumulate(last=i == len(micro) - 1):
-                loss_sum, correct = self.forward_sums(tb, prep)
-                self.par.backward(loss_sum * self.dp_world / denom)
+                with record_function("dflash.forward"):
+                    loss_sum, correct = self.forward_sums(tb, prep)
+                with record_function("dflash.backward"):
+                    self.par.backward(loss_sum * self.dp_world / denom)
             loss_total += loss_sum.detach()
             correct_total += correct.detach()
         lr = self.par.base_optimizer.param_groups[0]["lr"]
-        grad_norm = self.par.step()
+        with record_function("dflash.optimizer"):
+            grad_norm = self.par.step()
         if self.budget is not None:
             self._progress = self.budget.progress()
         self.sched.step()

@@ -82,3 +82,27 @@ def test_kernel_choice():
     for bad in ("dense", "flex"):  # flex trains on CUDA only (no CPU backward)
         with pytest.raises(ValueError, match="train.attn_kernel"):
             resolve_kernel(bad, torch.device("cpu"))
+
+
+def test_flex_drafter_traced_whole_is_one_graph_and_equals_eager():
+    """train.compile traces the whole drafter, flex BlockMasks included: the same output as the
+    eager drafter, and one graph for two batches of one shape with different masks (dynamo's
+    eager backend here; inductor's kernels are the GPU tier's)."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(4)
+    drafter = _drafter(window=64, block_size=4)
+    embed = torch.nn.Embedding(512, 128)
+    ids, aux, pos, seg = _row(T=200)
+    torch._dynamo.reset()
+    traced = torch.compile(drafter, backend="eager", dynamic=False)
+    graphs = []
+    for start in (3, 5):  # two anchor sets, same count: same shapes, different masks
+        anchors = torch.arange(start, start + 160, 4)[None]
+        blk = _blocks(drafter, ids, pos, seg, anchors, torch.ones_like(anchors, dtype=torch.bool))
+        want = _run(drafter, embed, blk, aux, pos, "flex")
+        got = _run(traced, embed, blk, aux, pos, "flex")
+        graphs.append(counters["stats"]["unique_graphs"])
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert graphs[0] >= 1 and graphs[1] == graphs[0]
+    torch._dynamo.reset()

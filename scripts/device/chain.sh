@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # In the background, from /tmp/repo: train within a budget, then eval.py with real decoding (bf16,
-# 5 prompts) and the fp32 check (3 prompts). Progress: /tmp/res/status; end: /tmp/res/done.
+# RD prompts, default 5) and the fp32 check (3 prompts). Progress: /tmp/res/status; end: /tmp/res/done.
 cd /tmp/repo && source scripts/device/env.sh
 # The GGUF -> transformers conversion runs before the clock (a user with the HF weights has no
 # such step); its time goes to the status file.
@@ -19,7 +19,7 @@ env TORCH_LOGS=recompiles python3 train.py +exp=$EXP run_name=main out_root=/tmp
 echo "train rc=$? $(date +%s)" >> /tmp/res/status
 ck=$(ls -d /tmp/runs/main/checkpoints/step_* | tail -1)
 echo "ckpt $ck" >> /tmp/res/status
-python3 eval.py ckpt=$ck eval.real_decode_prompts=5 out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
+python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
 echo "eval rc=$? $(date +%s)" >> /tmp/res/status
 if [ "${FP32:-1}" = 1 ]; then  # FP32=0: no fp32 check (saves ~1 min of device time)
   python3 eval.py ckpt=$ck eval.num_prompts=3 eval.real_decode_prompts=3 target.dtype=float32 \

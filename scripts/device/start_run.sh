@@ -6,7 +6,7 @@ source scripts/device/env.sh
 cp .gl/${LAST:-q05_07} /tmp/a/parts/
 assemble || exit 1
 rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r $(ls -A | grep -v '^.gl$') /tmp/repo/
-export EXP=${EXP:-qwen05_coder} BUDGET=${BUDGET:-20} EXTRA="${EXTRA:-}" FP32=${FP32:-1}
+export EXP=${EXP:-qwen05_coder} BUDGET=${BUDGET:-20} EXTRA="${EXTRA:-}" FP32=${FP32:-1} RD=${RD:-5}
 touch /tmp/res/started  # wait_run.sh: a machine without it is a fresh one
 setsid nohup bash /tmp/repo/scripts/device/chain.sh > /tmp/res/chain.log 2>&1 < /dev/null &
 W=${W:-540} bash scripts/device/wait_run.sh
