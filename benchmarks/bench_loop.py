@@ -232,7 +232,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="train.compile (this branch)")
     ap.add_argument("--fuse", action="store_true", help="train.fuse (the loop and the profile)")
     ap.add_argument(
-        "--compile-target", action="store_true", help="torch.compile each target decoder layer"
+        "--compile-target",
+        action="store_true",
+        help="target.compile_layers: each decoder layer compiled for the capture",
     )
     ap.add_argument("--layers", type=int, default=None, help="drafter layers (default: 3)")
     ap.add_argument(
@@ -242,6 +244,11 @@ def main() -> None:
         help="train.label_sampling of the loop (the step is also timed both ways)",
     )
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of loop steps")
+    ap.add_argument(
+        "--capture-only",
+        action="store_true",
+        help="time (and with --profile, profile) the target capture alone, then stop",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -257,9 +264,10 @@ def main() -> None:
 
     target, weights = build_target(args.target, args.backend)
     dev = target.device
-    if args.compile_target:  # per layer, so the aux-tap hooks on the layers stay outside
-        for layer in target.decoder_layers():
-            layer.forward = torch.compile(layer.forward, dynamic=True)
+    if args.compile_target:  # target.compile_layers: per layer, only inside the capture
+        from dflash.capture_graphs import CompiledLayers
+
+        target.compiled_layers = CompiledLayers(target.decoder_layers())
     drafter = build_drafter(args.target, target, args.layers)
     tc = dict(
         max_anchors=args.anchors,
@@ -297,9 +305,6 @@ def main() -> None:
     tbs = [capture(i) for i in range(nb)]
     seq_mean = sum(tokens) / (nb * args.rows)
     cap_flops = [forward_flops_per_token(target.model.config, seq_mean) * t for t in tokens]
-    step_flops = [
-        drafter_step_flops(drafter.spec, tbs[i], tr.prepare(tbs[i], 0)) for i in range(nb)
-    ]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     mem = {}
 
@@ -325,6 +330,19 @@ def main() -> None:
             capture(i)
         per_mode[mode] = measure(f"capture_{mode}", capture, cap_flops)
     s_cap, tps_cap, tf_cap = per_mode[mode]
+    if args.capture_only:
+        res = {"target": args.target, "weights": weights, "rows": args.rows, "seq": args.seq,
+               "tokens_per_batch": mean(tokens), "peak_tflops": peak}  # fmt: skip
+        for m, (sm, tps, tf) in per_mode.items():
+            res |= {f"capture_{m}_ms": sm * 1e3, f"capture_{m}_tokens_per_s": tps,
+                    f"capture_{m}_frac_peak": tf / peak}  # fmt: skip
+        report(res, args.out)
+        if args.profile:
+            profile_steps(args.profile, dev, capture, f"target capture alone ({mode})")
+        return
+    step_flops = [
+        drafter_step_flops(drafter.spec, tbs[i], tr.prepare(tbs[i], 0)) for i in range(nb)
+    ]
     # the loop's step queues its kernels and leaves its figures on the device (read at log
     # steps); train_step reads them back every step (one sync): both timed, same batches
     step_fn = getattr(tr, "step_async", tr.train_step)

@@ -16,6 +16,7 @@ is why only targets whose layers are all full attention, run through SDPA, quali
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -104,3 +105,56 @@ class CaptureGraphs:
             self.failed = True
             return None
         return graph, static, out
+
+
+class CompiledLayers:
+    """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes),
+    swapped in only for the clean capture: regeneration and eval decoding keep the eager layers
+    (their static-cache steps would compile again for nothing). Per layer, so the aux taps
+    (forward hooks on the layers) stay outside the compiled code. A compile error warns once and
+    the layers run eagerly from then on: the same forward, uncompiled."""
+
+    BACKEND = "inductor"  # tests swap in "eager" (the same mechanics without a C++/Triton build)
+
+    def __init__(self, layers):
+        self.layers, self.failed = list(layers), False
+        self.fns = [self._guarded(layer.forward) for layer in self.layers]
+
+    @classmethod
+    def of(cls, target, enabled: bool):
+        """CompiledLayers for a CUDA target when `enabled`, else None (CPU: eager)."""
+        return cls(target.decoder_layers()) if enabled and target.device.type == "cuda" else None
+
+    def _guarded(self, eager):
+        compiled = torch.compile(eager, dynamic=True, backend=self.BACKEND)
+
+        def forward(*args, **kwargs):
+            if not self.failed:
+                try:
+                    return compiled(*args, **kwargs)
+                except torch._dynamo.exc.TorchDynamoException as e:
+                    self.failed = True
+                    print(
+                        f"warning: target.compile_layers: compiling a decoder layer failed "
+                        f"({type(e).__name__}: {str(e)[:200]}); the target runs eagerly",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            return eager(*args, **kwargs)
+
+        return forward
+
+    @staticmethod
+    @contextlib.contextmanager
+    def active(compiled: CompiledLayers | None):
+        """The compiled forwards for the duration of one capture (nothing when None)."""
+        if compiled is None:
+            yield
+            return
+        for layer, fn in zip(compiled.layers, compiled.fns):
+            layer.forward = fn
+        try:
+            yield
+        finally:
+            for layer in compiled.layers:
+                vars(layer).pop("forward", None)

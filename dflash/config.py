@@ -34,8 +34,7 @@ class TargetConfig:
     config: dict[str, Any] | None = None  # HF config dict: random weights
     init_seed: int = 0  # seed of random weights
     init_std: float | None = None  # random weights: override initializer_range
-    # Random weights: multiply the LM head by this after init. The greedy text is unchanged, but
-    # logits spread realistically (a 0.01-std head keeps them within ~±0.5).
+    # Random weights: LM head x this after init (same greedy text; logits spread realistically)
     lm_head_scale: float = 1.0
     # Config-built targets: "bytes" = the built-in byte-level tokenizer with a chat template
     # (dflash.tokenizer; text data sources offline), null = none (data.source=selfgen only).
@@ -46,6 +45,7 @@ class TargetConfig:
     attn_implementation: str = "sdpa"  # transformers attention kernel
     packed_capture: bool = True  # attention-only targets: samples share rows (checked once)
     capture_graphs: bool = True  # CUDA, full-attention SDPA targets: packed capture as CUDA graphs
+    compile_layers: bool = False  # CUDA: decoder layers torch.compiled for the clean capture
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
     # token, or vocab_size-1 for tokenizer-less random targets.
     mask_token_id: int | None = None

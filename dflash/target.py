@@ -1,5 +1,4 @@
-"""The frozen target: loading and aux-state capture (Gated-DeltaNet kernel selection:
-`dflash.linear_attn`).
+"""The frozen target: loading and aux-state capture (Gated-DeltaNet kernels: dflash.linear_attn).
 
 Legend: N rows, T positions, K aux layers, H hidden size, V vocab.
 Layer id l = output of decoder layer l = HF `hidden_states[l + 1]`.
@@ -9,13 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .capture_graphs import CaptureGraphs, graphable
+from .capture_graphs import CaptureGraphs, CompiledLayers, graphable
 from .config import TargetConfig
 from .linear_attn import check_bound_backend, select_linear_attn_backend
 from .packing import attends_only
@@ -73,8 +73,6 @@ def target_config_from_yaml(name_or_path: str, **overrides) -> TargetConfig:
 
 
 def _resolve_env(x):
-    import re
-
     if isinstance(x, dict):
         return {k: _resolve_env(v) for k, v in x.items()}
     if isinstance(x, list):
@@ -274,6 +272,7 @@ class Target(nn.Module):
         self.mask_token_id = resolve_mask_token_id(tokenizer, self.vocab_size, mask_token_id)
         graphs = capture_graphs and self.packs_capture and graphable(model, self.device)
         self.capture_graphs = CaptureGraphs(self) if graphs else None  # packed, CUDA graphs
+        self.compiled_layers: CompiledLayers | None = None  # target.compile_layers (load_target)
 
     @property
     def device(self) -> torch.device:
@@ -325,7 +324,7 @@ class Target(nn.Module):
         the clean logits computed in chunks (the full [N, T, V] logits are never held).
         position_ids_NT restarting inside a row (no attention mask, no cache): packed samples,
         which transformers' attention masks keep apart."""
-        with self.tap_aux() as taps:
+        with self.tap_aux() as taps, CompiledLayers.active(self.compiled_layers):
             out = self.model.get_decoder()(
                 input_ids=input_ids_NT,
                 attention_mask=attention_mask_NT,
@@ -396,4 +395,6 @@ def load_target(
     num_layers = int(model.config.num_hidden_layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers, num_aux)
     mtid = mask_token_id if mask_token_id is not None else cfg.mask_token_id
-    return Target(model, ids, tokenizer, mtid, backend, cfg.packed_capture, cfg.capture_graphs)
+    target = Target(model, ids, tokenizer, mtid, backend, cfg.packed_capture, cfg.capture_graphs)
+    target.compiled_layers = CompiledLayers.of(target, cfg.compile_layers)
+    return target

@@ -194,15 +194,19 @@ def test_static_graph_decoder_compacts_on_cuda():
     assert dec.graph_used and got == ref and len(dec.stretches) >= 3
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype):
+def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype, compiled):
     """The packed capture replayed from CUDA graphs (several buckets, each replayed with new
-    contents) gives the eager one-sample-per-row aux states and labels."""
+    contents) gives the eager one-sample-per-row aux states and labels; with
+    target.compile_layers the graphs hold the compiled layers (the reference stays eager)."""
     from dflash.batch import Sample, collate, target_forward
     from dflash.target import load_target
 
-    t = load_target(target_cfg("tiny_llama", device="cuda", dtype=dtype), num_aux=3)
-    assert t.capture_graphs is not None
+    cfg = target_cfg("tiny_llama", device="cuda", dtype=dtype, compile_layers=compiled)
+    t = load_target(cfg, num_aux=3)
+    assert t.capture_graphs is not None and (t.compiled_layers is not None) == compiled
+    layers = t.compiled_layers
     g = torch.Generator().manual_seed(0)
     for lengths in ([40, 7, 23, 12, 40, 3, 31], [150, 5, 60, 130, 100], [41, 8, 22, 13, 39, 4, 30]):
         samples = [
@@ -210,10 +214,10 @@ def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype):
             for i, n in enumerate(lengths)
         ]
         batch = collate(samples, pad_id=0)
-        graphs, t.capture_graphs = t.capture_graphs, None
+        graphs, t.capture_graphs, t.compiled_layers = t.capture_graphs, None, None
         t.packs_capture = False
         ref = target_forward(t, batch)
-        t.packs_capture, t.capture_graphs = True, graphs
+        t.packs_capture, t.capture_graphs, t.compiled_layers = True, graphs, layers
         got = target_forward(t, batch)
         real = batch.segment_ids_NT.cuda() >= 0
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=5e-2)
@@ -221,6 +225,7 @@ def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype):
         agree = (got.next_token_NT[real] == ref.next_token_NT[real]).float().mean()
         assert agree == 1.0 if dtype == "float32" else agree >= 0.98
     assert len(graphs.graphs) == 2 and not graphs.failed  # (2, 128) twice, (2, 256) once
+    assert layers is None or not layers.failed
 
 
 def test_colocated_step_never_waits_for_the_gpu():

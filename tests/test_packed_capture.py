@@ -8,7 +8,7 @@ import torch
 from conftest import get_target
 
 from dflash.batch import Sample, collate, pack_for_capture, sample_spans, target_forward
-from dflash.capture_graphs import LEN_TO, ROWS_TO, CaptureGraphs
+from dflash.capture_graphs import LEN_TO, ROWS_TO, CaptureGraphs, CompiledLayers
 from dflash.config import TargetConfig
 from dflash.packing import attends_only
 from dflash.target import load_target
@@ -137,3 +137,52 @@ def test_a_packed_capture_that_disagrees_falls_back_with_a_warning(monkeypatch, 
     target.packs_capture = False
     ref = target_forward(target, batch)
     torch.testing.assert_close(got.aux_NTF, ref.aux_NTF)
+
+
+def _compiled(target, monkeypatch, backend="eager"):
+    """target.compile_layers on the CPU: CompiledLayers.of only enables it on CUDA, so build it
+    directly, with a dynamo backend that needs no C++/Triton build (same swap and hooks)."""
+    monkeypatch.setattr(CompiledLayers, "BACKEND", backend)
+    torch._dynamo.reset()
+    return CompiledLayers(target.decoder_layers())
+
+
+def test_compiled_layers_capture_equals_eager_and_only_inside_the_capture(monkeypatch):
+    target = get_target("tiny_llama")
+    assert CompiledLayers.of(target, True) is None  # CPU: eager
+    batch = collate(_samples(target.vocab_size), pad_id=0, pack_to=64)
+    ref = target_forward(target, batch)
+    calls = []
+    compiled = _compiled(target, monkeypatch)
+    compiled.fns = [lambda *a, _f=f, **k: calls.append(1) or _f(*a, **k) for f in compiled.fns]
+    target.compiled_layers = compiled
+    try:
+        got = target_forward(target, batch)
+    finally:
+        target.compiled_layers = None
+    assert len(calls) == target.num_layers  # every layer ran compiled, once (one packed forward)
+    assert not compiled.failed
+    assert all("forward" not in vars(layer) for layer in target.decoder_layers())  # restored
+    torch.testing.assert_close(got.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)  # taps outside
+    assert torch.equal(got.next_token_NT, ref.next_token_NT)
+
+
+def test_a_layer_compile_that_fails_warns_and_runs_eagerly(monkeypatch, capsys):
+    def broken_backend(gm, *args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    target = get_target("tiny_llama")
+    batch = collate(_samples(target.vocab_size), pad_id=0, pack_to=64)
+    ref = target_forward(target, batch)
+    target.compiled_layers = compiled = _compiled(target, monkeypatch, broken_backend)
+    try:
+        got = target_forward(target, batch)
+        again = target_forward(target, batch)  # no second warning
+    finally:
+        target.compiled_layers = None
+    err = capsys.readouterr().err
+    assert compiled.failed and err.count("target.compile_layers: compiling a decoder layer") == 1
+    assert "no compiler here" in err
+    for out in (got, again):
+        torch.testing.assert_close(out.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out.next_token_NT, ref.next_token_NT)
