@@ -2,11 +2,13 @@
 # Device call after the other chunks are up: copy the last chunk, assemble, start chain.sh in its
 # own session (it outlives the call while the machine stays warm), then wait like wait_run.sh.
 #   EXP=smollm2_coder LAST=sm_01 BUDGET=20 EXTRA="data.num_samples=48000" bash scripts/device/start_run.sh
+#   CHAIN=grid.sh BUDGET=6 GRID="a:train.max_anchors=64;b:train.max_anchors=32" bash scripts/device/start_run.sh
 source scripts/device/env.sh
 cp .gl/${LAST:-q05_07} /tmp/a/parts/
 assemble || exit 1
 rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r $(ls -A | grep -v '^.gl$') /tmp/repo/
 export EXP=${EXP:-qwen05_coder} BUDGET=${BUDGET:-20} EXTRA="${EXTRA:-}" FP32=${FP32:-1} RD=${RD:-5}
+export GRID="${GRID:-}"  # CHAIN=grid.sh: the ablation settings (see grid.sh)
 touch /tmp/res/started  # wait_run.sh: a machine without it is a fresh one
-setsid nohup bash /tmp/repo/scripts/device/chain.sh > /tmp/res/chain.log 2>&1 < /dev/null &
+setsid nohup bash /tmp/repo/scripts/device/${CHAIN:-chain.sh} > /tmp/res/chain.log 2>&1 < /dev/null &
 W=${W:-540} bash scripts/device/wait_run.sh
