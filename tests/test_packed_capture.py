@@ -147,9 +147,11 @@ def _compiled(target, monkeypatch, backend="eager"):
     return CompiledLayers(target.decoder_layers())
 
 
-def test_compiled_layers_capture_equals_eager_and_only_inside_the_capture(monkeypatch):
+def test_compiled_layers_capture_equals_eager_and_only_inside_the_capture(monkeypatch, capsys):
     target = get_target("tiny_llama")
-    assert CompiledLayers.of(target, True) is None  # CPU: eager
+    assert CompiledLayers.of(target, False) is None and not capsys.readouterr().out
+    assert CompiledLayers.of(target, True) is None  # CPU: eager, with a note
+    assert "target.compile_layers is for CUDA targets" in capsys.readouterr().out
     batch = collate(_samples(target.vocab_size), pad_id=0, pack_to=64)
     ref = target_forward(target, batch)
     calls = []
