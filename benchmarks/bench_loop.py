@@ -267,7 +267,7 @@ def main() -> None:
     if args.compile_target:  # target.compile_layers: per layer, only inside the capture
         from dflash.capture_graphs import CompiledLayers
 
-        target.compiled_layers = CompiledLayers(target.decoder_layers())
+        target.compiled_layers = CompiledLayers.of(target, True)
     drafter = build_drafter(args.target, target, args.layers)
     tc = dict(
         max_anchors=args.anchors,

@@ -123,9 +123,12 @@ class CompiledLayers:
     @classmethod
     def of(cls, target, enabled: bool):
         """CompiledLayers for a CUDA target when `enabled`, else None (CPU: eager, said once)."""
-        if enabled and target.device.type != "cuda":
+        if not enabled:
+            return None
+        if target.device.type != "cuda":
             print("note: target.compile_layers is for CUDA targets; this one runs eagerly")
-        return cls(target.decoder_layers()) if enabled and target.device.type == "cuda" else None
+            return None
+        return cls(target.decoder_layers())
 
     def _guarded(self, eager):
         compiled = torch.compile(eager, dynamic=True, backend=self.BACKEND)

@@ -4,15 +4,7 @@
 cd /tmp/repo && source scripts/device/env.sh
 # The GGUF -> transformers conversion runs before the clock (a user with the HF weights has no
 # such step); its time goes to the status file.
-tgt=$(sed -n 's|.*override /target: *||p' conf/exp/$EXP.yaml)
-t=$(date +%s)
-python3 -c "
-from omegaconf import OmegaConf
-from dflash.config import TargetConfig
-from dflash.target import resolve_local_path
-raw = OmegaConf.to_container(OmegaConf.load('conf/target/$tgt.yaml'), resolve=True)
-print(resolve_local_path(TargetConfig(**raw)))" > /tmp/res/convert.out 2>&1
-echo "convert rc=$? $(( $(date +%s) - t )) s" >> /tmp/res/status
+convert_target
 date +%s > /tmp/res/t0
 env TORCH_LOGS=recompiles python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs \
   train.time_budget_min=$BUDGET $EXTRA > /tmp/res/train.out 2>&1

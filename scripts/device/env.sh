@@ -21,3 +21,14 @@ assemble() {  # cat the uploaded chunks (/tmp/a/parts) into the GGUFs and check 
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $s" | sha256sum -c
   fi
 }
+convert_target() {  # the GGUF -> transformers conversion of $EXP's target (cached), timed to the status
+  local tgt t=$(date +%s)
+  tgt=$(sed -n 's|.*override /target: *||p' conf/exp/$EXP.yaml)
+  python3 -c "
+from omegaconf import OmegaConf
+from dflash.config import TargetConfig
+from dflash.target import resolve_local_path
+raw = OmegaConf.to_container(OmegaConf.load('conf/target/$tgt.yaml'), resolve=True)
+print(resolve_local_path(TargetConfig(**raw)))" > /tmp/res/convert.out 2>&1
+  echo "convert rc=$? $(( $(date +%s) - t )) s" >> /tmp/res/status
+}

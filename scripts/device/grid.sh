@@ -5,14 +5,7 @@
 #   GRID="a:train.max_anchors=64;b:train.micro_batch_size=32 train.max_anchors=32" BUDGET=6
 # Progress: /tmp/res/status; per run /tmp/res/NAME.out and NAME.metrics.jsonl; end: /tmp/res/done.
 cd /tmp/repo && source scripts/device/env.sh
-tgt=$(sed -n 's|.*override /target: *||p' conf/exp/$EXP.yaml)
-python3 -c "
-from omegaconf import OmegaConf
-from dflash.config import TargetConfig
-from dflash.target import resolve_local_path
-raw = OmegaConf.to_container(OmegaConf.load('conf/target/$tgt.yaml'), resolve=True)
-print(resolve_local_path(TargetConfig(**raw)))" > /tmp/res/convert.out 2>&1
-echo "convert rc=$?" >> /tmp/res/status
+convert_target
 common="+exp=$EXP out_root=/tmp/abl data.cache_dir=/tmp/abl_cache $EXTRA"
 python3 train.py $common run_name=fill train.time_budget_min=0.01 > /tmp/res/fill.out 2>&1
 echo "fill rc=$? $(date +%s)" >> /tmp/res/status
