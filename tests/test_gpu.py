@@ -216,14 +216,21 @@ def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype, compiled):
         batch = collate(samples, pad_id=0)
         graphs, t.capture_graphs, t.compiled_layers = t.capture_graphs, None, None
         t.packs_capture = False
-        ref = target_forward(t, batch)
+        ref = target_forward(t, batch, with_final_hidden=True)
         t.packs_capture, t.capture_graphs, t.compiled_layers = True, graphs, layers
         got = target_forward(t, batch)
         real = batch.segment_ids_NT.cuda() >= 0
         tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=5e-2)
         torch.testing.assert_close(got.aux_NTF[real], ref.aux_NTF[real], **tol)
-        agree = (got.next_token_NT[real] == ref.next_token_NT[real]).float().mean()
-        assert agree == 1.0 if dtype == "float32" else agree >= 0.98
+        label, ref_label = got.next_token_NT[real], ref.next_token_NT[real]
+        if dtype == "float32":
+            assert torch.equal(label, ref_label)
+        else:  # a random tiny model has near-tied logits: a differing label must be one of them
+            logits = t.lm_head(ref.final_hidden_NTH[real]).float()
+            gap = logits.gather(1, ref_label[:, None]) - logits.gather(1, label[:, None])
+            differ = (label != ref_label).float().mean().item()
+            print(f"{lengths}: labels differ at {differ:.2%}, largest logit gap {gap.max():.3f}")
+            assert gap.max() <= 0.1 and differ <= 0.1
     assert len(graphs.graphs) == 2 and not graphs.failed  # (2, 128) twice, (2, 256) once
     assert layers is None or not layers.failed
 
