@@ -2,6 +2,7 @@
 model needed): tokens/s and anchors/s of DrafterTrainer.train_step, peak memory.
 
   python benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 --anchors 512
+  ... --compile --fuse --label-sampling both   # every label vs labels kept by weight, same run
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="train.compile")
     ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel")
+    ap.add_argument("--fuse", action="store_true", help="train.fuse")
+    ap.add_argument(
+        "--label-sampling",
+        default="all",
+        choices=["all", "by_weight", "both"],
+        help="train.label_sampling; both: each timed in alternating rounds, same trainer",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds (--label-sampling both)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import os
@@ -63,6 +74,8 @@ def main() -> None:
             steps=100,
             compile=args.compile,
             attn_kernel=args.attn_kernel,
+            fuse=args.fuse,
+            label_sampling="all" if args.label_sampling == "all" else "by_weight",
         ),
         dev,
     )
@@ -80,7 +93,20 @@ def main() -> None:
     peak = matmul_peak_tflops(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    s = timed(lambda: tr.train_step([tb]), dev, args.iters, warmup=2)
+    modes = ["all", "by_weight"] if args.label_sampling == "both" else [args.label_sampling]
+    keep = {"all": None, "by_weight": tr.keep_p_k}  # the trainer's labels kept by weight
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    mem = {}
+    for r in range(args.rounds if len(modes) > 1 else 1):
+        for m in modes[:: 1 if r % 2 == 0 else -1]:  # alternating order: no order bias
+            tr.keep_p_k = keep[m]
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            times[m].append(timed(lambda: tr.train_step([tb]), dev, args.iters, warmup=2))
+            if dev.type == "cuda":
+                mem[m] = max(mem.get(m, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+    med = {m: sorted(ts)[len(ts) // 2] for m, ts in times.items()}
+    s = med[modes[-1]]
     res = {
         "shape": args.shape,
         "drafter_params_M": num_params(drafter) / 1e6,
@@ -90,12 +116,21 @@ def main() -> None:
         "block_size": spec.block_size,
         "attn_kernel": tr.attn_kernel,
         "compile": args.compile,
+        "fuse": args.fuse,
+        "label_sampling": modes[-1],
         "s_per_step": s,
         "tokens_per_s": N * T / s,
         "anchors_per_s": N * args.anchors / s,
         "matmul_peak_tflops": peak,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+        "peak_mem_gib": mem.get(modes[-1]),
     }
+    if len(modes) > 1:
+        res |= {
+            "s_per_step_all_labels": med["all"],
+            "tokens_per_s_all_labels": N * T / med["all"],
+            "peak_mem_gib_all_labels": mem.get("all"),
+            "by_weight_speedup": med["all"] / med["by_weight"],
+        }
     report(res, args.out)
 
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Device call: the issue-13 measurements on random weights (no uploads), each under its own time
+# limit, figures and logs to $OUT. Pick what to run (default: all, ~8 min; split over two calls):
+#   WHAT="smollm2 qwen05" bash scripts/device/bench13.sh
+#   WHAT="drafter27b regen" bash scripts/device/bench13.sh
+source scripts/device/env.sh
+OUT=${OUT:-/tmp/res/bench13}
+mkdir -p "$OUT"
+# the recipe's step (16 x 64, compiled, fused, labels by weight), compiled target layers
+LOOP="--rows 16 --anchors 64 --seq 640 --min-len 64 --steps 10 --warmup 3 --ab-rounds 2 --compile
+  --fuse --label-sampling by_weight --compile-target"
+for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
+  t=$(date +%s)
+  case $w in
+    smollm2 | qwen05)
+      name=$([ $w = smollm2 ] && echo smollm2_135m || echo qwen2_5_coder_0_5b)
+      timeout 240 python3 benchmarks/bench_loop.py --target $name $LOOP --out "$OUT/loop_$w.json" ;;
+    drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
+      --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
+    regen) for b in 512 1024; do
+        timeout 120 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
+          --new 256 --out "$OUT/regen_$b.json"
+      done ;;
+    *) echo "unknown: $w" ;;
+  esac > "$OUT/$w.log" 2>&1
+  echo "$w rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/status"
+  grep -v DEBUG "$OUT/$w.log" | tail -40
+done

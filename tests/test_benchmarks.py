@@ -1,0 +1,52 @@
+"""The device sessions measure with the scripts in benchmarks/: each must still run end to end
+against the package (on CPU, the tiny shape) and report the figures its docs quote."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(script: str, args: list[str], tmp_path) -> dict:
+    out = tmp_path / f"{script}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DFLASH_NO_PROGRESS="1")
+    proc = subprocess.run(
+        [sys.executable, f"benchmarks/{script}.py", *args, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_bench_train_step_times_both_label_modes(tmp_path):
+    res = run_bench(
+        "bench_train_step",
+        ["--shape", "tiny", "--label-sampling", "both", "--iters", "1", "--rounds", "1"],
+        tmp_path,
+    )
+    assert res["label_sampling"] == "by_weight"
+    assert res["tokens_per_s"] > 0 and res["tokens_per_s_all_labels"] > 0
+    ratio = res["s_per_step_all_labels"] / res["s_per_step"]
+    assert res["by_weight_speedup"] == pytest.approx(ratio)
+
+
+@pytest.mark.slow
+def test_bench_loop_reports_capture_step_loop_and_overlap(tmp_path):
+    res = run_bench(
+        "bench_loop",
+        ["--target", "tiny", "--rows", "4", "--seq", "128", "--steps", "2", "--warmup", "1"]
+        + ["--ab-rounds", "1", "--label-sampling", "by_weight", "--fuse"],
+        tmp_path,
+    )
+    for key in ("capture_ms", "step_ms", "loop_ms", "loop_source_overlap_ms", "by_weight_speedup"):
+        assert res[key] > 0, key
+    assert 0 < res["loop_over_ideal"] < 2
