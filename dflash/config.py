@@ -194,8 +194,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300  # optimizer steps (an upper bound when time_budget_min is set)
-    # minutes for the whole run (load, regen, training, evals; summed over resumes); the lr
-    # schedule follows the clock, training ends in time for the final eval (dflash.budget)
+    # minutes for the whole run (load, regen, training, evals; over resumes; dflash.budget)
     time_budget_min: float | None = None
     micro_batch_size: int = 8  # sequences per micro step (per trainer rank)
     grad_accum: int = 1  # micro-batches per step
@@ -223,6 +222,8 @@ class TrainConfig:
     eval_every: int = 100  # steps between evals
     save_every: int = 100  # steps between saves
     keep_last: int = 2  # checkpoints kept
+    profile_at: int = 0  # > 0: torch.profiler over steps profile_at.. into RUN/profile (loop.py)
+    profile_steps: int = 5  # steps that profile covers
     save_on_interrupt: bool = True  # Ctrl-C: finish the step, save it, print the resume command
     dist: str = "ddp"  # trainer ranks: ddp | fsdp | deepspeed (dflash.parallelize)
     zero_stage: int = 1  # train.dist=deepspeed: ZeRO stage 1, 2 or 3
@@ -245,7 +246,7 @@ class TrainConfig:
         if len(self.betas) != 2:
             raise ValueError(f"train.betas must have two values, got {list(self.betas)}")
         at_least_one = "steps micro_batch_size grad_accum max_anchors log_every eval_every"
-        for key in (at_least_one + " save_every lm_head_chunk").split():
+        for key in (at_least_one + " save_every lm_head_chunk profile_steps").split():
             if getattr(self, key) < 1:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
 

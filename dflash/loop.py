@@ -16,6 +16,7 @@ from .checkpoint import save_checkpoint
 from .config import RunConfig
 from .interrupt import Interrupted, StopRequest, agree_any
 from .loggers import Logger
+from .profiling import StepProfiler
 from .stream import SampleStream
 from .trainer import DrafterTrainer
 
@@ -82,8 +83,12 @@ def train_loop(
     interrupted = None
     first = True  # this process's first step: kernels compile there (flex attention, compile)
     clock = StepClock(trainer.device)
+    rank = torch.distributed.get_rank() if trainer.dp_world > 1 else 0
+    prof_dir = os.path.join(run_dir, "profile", f"rank{rank}" if trainer.dp_world > 1 else "")
+    prof = StepProfiler(tc.profile_at, tc.profile_steps, trainer.device, prof_dir, logger)
     with stop:
         while trainer.step < tc.steps:
+            prof.before(trainer.step)
             interrupted, final = _step(
                 cfg,
                 trainer,
@@ -98,6 +103,8 @@ def train_loop(
                 clock,
                 first,
             )
+            stopping = stop_at is not None and trainer.step >= stop_at
+            prof.after(trainer.step, last=final or interrupted is not None or stopping)
             if first:
                 first = False
                 logger.info(
