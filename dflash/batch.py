@@ -132,17 +132,19 @@ def sample_spans(segment_ids_NT: torch.Tensor) -> list:
     """(row, start, length) of every sample, in order of appearance. Read from a host copy of
     the segment ids (free when the batch is still on the CPU; one copy otherwise)."""
     seg = segment_ids_NT.cpu()
-    spans = []
-    for r in range(seg.shape[0]):
-        row = seg[r]
-        # samples are contiguous runs of one segment id; -1 is padding
-        change = torch.ones(row.numel(), dtype=torch.bool)
-        change[1:] = row[1:] != row[:-1]
-        starts = change.nonzero().flatten().tolist()
-        ends = starts[1:] + [row.numel()]
-        ids = row[starts].tolist() if starts else []
-        spans += [(r, o, e - o) for o, e, s in zip(starts, ends, ids) if s >= 0]
-    return spans
+    N, T = seg.shape
+    if N * T == 0:
+        return []
+    # samples are contiguous runs of one segment id within a row; -1 is padding
+    flat = seg.flatten()
+    change = torch.ones(N * T, dtype=torch.bool)
+    change[1:] = flat[1:] != flat[:-1]
+    change[::T] = True  # a run never continues into the next row
+    starts = change.nonzero().flatten()
+    lengths = torch.diff(starts, append=torch.tensor([N * T]))
+    keep = flat[starts] >= 0
+    starts, lengths = starts[keep], lengths[keep]
+    return list(zip((starts // T).tolist(), (starts % T).tolist(), lengths.tolist()))
 
 
 def _span_index(spans: list, device, dest: list | None = None) -> tuple:
