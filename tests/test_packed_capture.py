@@ -188,3 +188,24 @@ def test_a_layer_compile_that_fails_warns_and_runs_eagerly(monkeypatch, capsys):
     for out in (got, again):
         torch.testing.assert_close(out.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
         assert torch.equal(out.next_token_NT, ref.next_token_NT)
+
+
+def test_sample_spans_equal_a_scan_of_every_row():
+    """(row, start, length) of every run of one segment id (>= 0) within a row, in order; a run
+    never continues across rows, even with the same id at both ends."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        N, T = (int(x) for x in torch.randint(1, 7, (2,), generator=g))
+        seg = torch.randint(-1, 3, (N, T), generator=g)
+        want = []
+        for r in range(N):
+            t = 0
+            while t < T:
+                e = t
+                while e < T and seg[r, e] == seg[r, t]:
+                    e += 1
+                if seg[r, t] >= 0:
+                    want.append((r, t, e - t))
+                t = e
+        assert sample_spans(seg) == want
+    assert sample_spans(torch.zeros(0, 5, dtype=torch.long)) == []
