@@ -497,10 +497,13 @@ def test_split_resume_after_kill_reproduces_uninterrupted(split_ref, killed, roo
 
 @pytest.mark.slow
 def test_colocated_two_ranks_equals_split(split_ref, root):
-    """topology=colocated under a 2-process launch: DP over both ranks, same data layout."""
-    job = run_job(root, "colocated-dp2", 2, [])
+    """topology=colocated under a 2-process launch: DP over both ranks, same data layout; a
+    profile of steps 3-4 (train.profile_at) on each rank changes nothing and lands per rank."""
+    job = run_job(root, "colocated-dp2", 2, ["train.profile_at=3", "train.profile_steps=2"])
     assert_ok(job)
     assert_same_weights(job.weights(6), split_ref.weights(6))
+    for rank in (0, 1):
+        assert (job.run_dir / "profile" / f"rank{rank}" / "steps_3-4.txt").exists()
 
 
 @pytest.mark.slow
