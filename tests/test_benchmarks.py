@@ -26,11 +26,11 @@ def run_bench(script: str, args: list[str], tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.slow
 def test_bench_train_step_times_both_label_modes(tmp_path):
     res = run_bench(
         "bench_train_step",
-        ["--shape", "tiny", "--label-sampling", "both", "--iters", "1", "--rounds", "1"],
+        ["--shape", "tiny", "--seq", "128", "--anchors", "16", "--label-sampling", "both"]
+        + ["--iters", "1", "--rounds", "1"],
         tmp_path,
     )
     assert res["label_sampling"] == "by_weight"
@@ -39,12 +39,11 @@ def test_bench_train_step_times_both_label_modes(tmp_path):
     assert res["by_weight_speedup"] == pytest.approx(ratio)
 
 
-@pytest.mark.slow
 def test_bench_loop_reports_capture_step_loop_and_overlap(tmp_path):
     res = run_bench(
         "bench_loop",
-        ["--target", "tiny", "--rows", "4", "--seq", "128", "--steps", "2", "--warmup", "1"]
-        + ["--ab-rounds", "1", "--label-sampling", "by_weight", "--fuse"],
+        ["--target", "tiny", "--rows", "2", "--seq", "64", "--anchors", "8", "--steps", "1"]
+        + ["--warmup", "1", "--ab-rounds", "1", "--label-sampling", "by_weight", "--fuse"],
         tmp_path,
     )
     for key in ("capture_ms", "step_ms", "loop_ms", "loop_source_overlap_ms", "by_weight_speedup"):
