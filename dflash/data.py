@@ -57,11 +57,11 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
                 "has no thinking switch; set target.enable_thinking=false"
             )
     out = []
-    for p in prompts:
+    for i in range(0, len(prompts), 1024):  # batched: one fast-tokenizer call per chunk (2x)
+        chunk = prompts[i : i + 1024]
         if tcfg.chat_template:
-            msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
             ids = tokenizer.apply_chat_template(
-                msgs,
+                [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in chunk],
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
@@ -69,10 +69,10 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
             )
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
-            out.append(list(ids))
         else:
-            text = p if isinstance(p, str) else "\n".join(m["content"] for m in p)
-            out.append(list(tokenizer(text)["input_ids"]))
+            texts = [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in chunk]
+            ids = tokenizer(texts)["input_ids"]
+        out += [list(x) for x in ids]
     return out
 
 

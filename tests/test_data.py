@@ -5,6 +5,7 @@ import ast
 import gzip
 import json
 import os
+import random
 import re
 import sysconfig
 from dataclasses import replace
@@ -130,12 +131,12 @@ class FakeTok:
         self.chat_template = template
         self.calls = []
 
-    def apply_chat_template(self, msgs, **kw):
-        self.calls.append((msgs, kw))
-        return {"input_ids": [1, 2, len(msgs[0]["content"])]}
+    def apply_chat_template(self, convs, **kw):  # batched, as transformers' is
+        self.calls += [(msgs, kw) for msgs in convs]
+        return {"input_ids": [[1, 2, len(msgs[0]["content"])] for msgs in convs]}
 
-    def __call__(self, text):
-        return {"input_ids": [9, len(text)]}
+    def __call__(self, texts):
+        return {"input_ids": [[9, len(t)] for t in texts]}
 
 
 def test_chat_template_applied_explicitly():
@@ -155,6 +156,32 @@ def test_chat_template_applied_explicitly():
     encode_prompts(["x"], tok, replace(tc, enable_thinking=True))
     assert tok.calls[-1][1]["enable_thinking"] is True
     assert encode_prompts(["abcd"], tok, replace(tc, chat_template=False)) == [[9, 4]]
+
+
+def test_batched_encoding_equals_one_prompt_at_a_time():
+    """encode_prompts tokenizes 1,024 prompts a call: the ids equal the tokenizer's own
+    one-conversation apply_chat_template (and plain call) for every prompt, across chunks."""
+    from dflash.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer(300)
+    rng = random.Random(0)
+    alphabet = "ab c\n\t{}()éλ中😀<|>"
+    prompts = ["".join(rng.choices(alphabet, k=rng.randint(0, 30))) for _ in range(1100)]
+    prompts[7] = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    tc = TargetConfig(name="t", chat_template=True, enable_thinking=False)
+    got = encode_prompts(prompts, tok, tc)
+    for p, ids in zip(prompts, got):
+        msgs = p if isinstance(p, list) else [{"role": "user", "content": p}]
+        one = tok.apply_chat_template(
+            msgs,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            enable_thinking=False,
+        )
+        assert ids == list(one)
+    raw = encode_prompts(prompts[:1030], tok, replace(tc, chat_template=False))
+    assert raw[:7] + raw[8:] == [tok(p)["input_ids"] for p in prompts[:1030] if isinstance(p, str)]
 
 
 def test_chat_template_errors():
