@@ -102,7 +102,12 @@ class StepProfiler:
                 "device_busy_frac": busy / res["wall_ms_per_step"],
             }
         avgs = self.prof.key_averages()
-        by = "self_cuda_time_total" if kernels else "self_cpu_time_total"
+        res["phases_ms_per_step"] = {  # the trainer's record_function ranges: host, device
+            e.key: [e.cpu_time_total / 1e3 / n, getattr(e, "device_time_total", 0) / 1e3 / n]
+            for e in avgs
+            if e.key.startswith("dflash.")
+        }
+        by = "self_device_time_total" if kernels else "self_cpu_time_total"
         with open(os.path.join(self.out_dir, f"{name}.txt"), "w") as f:
             f.write(json.dumps(res, indent=2) + "\n\n")
             f.write(avgs.table(sort_by=by, row_limit=40) + "\n")
