@@ -4,6 +4,7 @@ parallel over all ranks of a torch.distributed job)."""
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from .budget import phase_done, start_phases
 from .build import (
@@ -51,11 +52,9 @@ class LocalBatchSource:
             idx = idx_all[k * n : (k + 1) * n][self.dp_rank * mb : (self.dp_rank + 1) * mb]
             # no device sync per step: flagged samples are zeroed on the device now and reported
             # (or stop the run under on_bad_batch=stop) at the next log step
-            tb, pending = screen_batch(
-                make_batch(self.target, self.samples, idx, self.cfg),
-                self.cfg.topology.on_bad_batch,
-                defer=True,
-            )
+            with record_function("dflash.capture"):  # collate + the target forward
+                tb = make_batch(self.target, self.samples, idx, self.cfg)
+            tb, pending = screen_batch(tb, self.cfg.topology.on_bad_batch, defer=True)
             out.append(tb)
             checks.append(pending)
         return out, checks

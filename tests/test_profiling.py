@@ -38,6 +38,7 @@ def test_profile_at_writes_tables_trace_and_a_summary(tmp_path, capsys):
     res = json.loads(text.split("\n\n")[0])
     assert res["steps"] == [4, 5] and res["wall_unprofiled"] and res["wall_ms_per_step"] > 0
     assert "aten::" in text  # the operator table
+    assert {"dflash.capture", "dflash.forward", "dflash.backward"} <= set(res["phases_ms_per_step"])
     json.loads((run_dir / "profile" / "steps_4-5.trace.json").read_text())
 
 
