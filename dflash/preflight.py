@@ -50,9 +50,16 @@ def check_dist(cfg: RunConfig) -> None:
 
 def check_files(cfg: RunConfig) -> None:
     if cfg.target.path is not None and not os.path.exists(os.path.expanduser(cfg.target.path)):
+        hint = ""
+        if cfg.target.gguf_file:  # the small real targets: a GGUF the fetch script brings
+            hint = (
+                f"; target {cfg.target.name!r} is read from {cfg.target.gguf_file}: fetch it with "
+                "`bash ../shared/scripts/fetch_models.sh` (README) into $DFLASH_ASSETS "
+                "(default ~/.cache/dflash)"
+            )
         raise FileNotFoundError(
             f"target.path={cfg.target.path!r} does not exist; set target.path to a local "
-            "directory with the target's weights (nothing is downloaded at run time)"
+            f"directory with the target's weights (nothing is downloaded at run time){hint}"
         )
     if cfg.drafter.init_from and not os.path.isdir(cfg.drafter.init_from):
         raise FileNotFoundError(

@@ -238,3 +238,15 @@ def test_missing_data_file_is_named_before_loading(tmp_path):
     cfg = RunConfig(data=DataConfig(source="jsonl", paths=[str(tmp_path / "nope.jsonl")]))
     with pytest.raises(FileNotFoundError, match="data.paths: .*nope.jsonl"):
         check_files(cfg)
+
+
+def test_missing_gguf_target_says_how_to_fetch_it(tmp_path):
+    from dflash.config import RunConfig, TargetConfig
+    from dflash.preflight import check_files
+
+    gguf = TargetConfig(name="smollm2_135m", path=str(tmp_path / "smollm2"), gguf_file="S.gguf")
+    with pytest.raises(FileNotFoundError, match=r"S.gguf: fetch it with .*fetch_models.sh"):
+        check_files(RunConfig(target=gguf))
+    with pytest.raises(FileNotFoundError) as e:  # a plain directory target: no fetch hint
+        check_files(RunConfig(target=TargetConfig(name="t", path=str(tmp_path / "m"))))
+    assert "fetch_models" not in str(e.value)
