@@ -233,13 +233,16 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
             out = target.capture(ids, None, with_final_hidden, position_ids_NT=pos)
         if target.pack_check_pending:  # once per target: the same outputs as one per row?
             u_ids, att, _, u_index = unpack(batch, spans)
-            ref = target.capture(u_ids, att, with_final_hidden)
+            ref = target.capture(u_ids, att, with_final_hidden=True)  # + logits of near-ties
             if not packed_capture_agrees(
                 target,
                 [repack(x, index, N, T) for x in (out.aux_NTF, out.next_token_NT)],
                 [repack(x, u_index, N, T) for x in (ref.aux_NTF, ref.next_token_NT)],
+                repack(ref.final_hidden_NTH, u_index, N, T),
             ):
                 out, index = ref, u_index
+                if not with_final_hidden:
+                    out.final_hidden_NTH = None
     else:
         ids, att, spans, index = unpack(batch, spans)
         out = target.capture(ids, att, with_final_hidden=with_final_hidden)
