@@ -22,12 +22,11 @@ if os.environ.get("DFLASH_ROOT"):
 
 import argparse
 import dataclasses
-import statistics
 import time
 
 import torch
 from bench_target import forward_flops_per_token
-from common import matmul_peak_tflops, report, sync
+from common import alternating, matmul_peak_tflops, report, sync
 
 if os.environ.get("DFLASH_ROOT"):  # common.py put this checkout first: undo for dflash
     sys.path.insert(0, os.path.abspath(os.environ["DFLASH_ROOT"]))
@@ -362,17 +361,15 @@ def main() -> None:
     def ab(names, fa, fb, rounds=args.ab_rounds):
         """Median seconds per call of fa and fb, timed in alternating order (no order bias);
         their peak memory under mem[name]."""
-        times = {n: [] for n in names}
-        for r in range(rounds):
-            for name, fn in list(zip(names, (fa, fb)))[:: 1 if r % 2 == 0 else -1]:
-                torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
-                times[name].append(throughput(fn, args.steps, args.warmup, dev))
-                if dev.type == "cuda":
-                    peak_gib = torch.cuda.max_memory_allocated() / 2**30
-                    mem[name] = max(mem.get(name) or 0.0, peak_gib)
-                else:
-                    mem[name] = None
-        return tuple(statistics.median(times[n]) for n in names)
+        med, peaks = alternating(
+            dict(zip(names, (fa, fb))),
+            rounds,
+            lambda fn: throughput(fn, args.steps, args.warmup, dev),
+            dev,
+        )
+        for name, gib in peaks.items():
+            mem[name] = None if gib is None else max(mem.get(name) or 0.0, gib)
+        return tuple(med[n] for n in names)
 
     on = fuse is not None and fuse.ENABLED
     one = lambda i: step_fn([tbs[i % nb]])  # noqa: E731

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import matmul_peak_tflops, report, timed
+from common import alternating, matmul_peak_tflops, report, timed
 
 SHAPES = {  # hidden, vocab, target layers, drafter yaml name
     "qwen3_6_27b": (5120, 248320, 64, "qwen3_6_27b"),
@@ -95,17 +95,14 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
     modes = ["all", "by_weight"] if args.label_sampling == "both" else [args.label_sampling]
     keep = {"all": None, "by_weight": tr.keep_p_k}  # the trainer's labels kept by weight
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    mem = {}
-    for r in range(args.rounds if len(modes) > 1 else 1):
-        for m in modes[:: 1 if r % 2 == 0 else -1]:  # alternating order: no order bias
-            tr.keep_p_k = keep[m]
-            if dev.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            times[m].append(timed(lambda: tr.train_step([tb]), dev, args.iters, warmup=2))
-            if dev.type == "cuda":
-                mem[m] = max(mem.get(m, 0.0), torch.cuda.max_memory_allocated() / 2**30)
-    med = {m: sorted(ts)[len(ts) // 2] for m, ts in times.items()}
+
+    def measure(mode):
+        tr.keep_p_k = keep[mode]
+        return timed(lambda: tr.train_step([tb]), dev, args.iters, warmup=2)
+
+    med, mem = alternating(
+        {m: m for m in modes}, args.rounds if len(modes) > 1 else 1, measure, dev
+    )
     s = med[modes[-1]]
     res = {
         "shape": args.shape,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -29,6 +30,22 @@ def timed(fn, device, iters: int, warmup: int = 1) -> float:
         ts.append(time.perf_counter() - t)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def alternating(fns: dict, rounds: int, measure, device) -> tuple[dict, dict]:
+    """A/B timing: `measure(fn)` seconds of each fn, in alternating order over `rounds` (no
+    order bias). Returns each one's median seconds and peak memory in GiB (None on CPU)."""
+    cuda = torch.device(device).type == "cuda"
+    times: dict = {name: [] for name in fns}
+    mem: dict = {}
+    for r in range(rounds):
+        for name, fn in list(fns.items())[:: 1 if r % 2 == 0 else -1]:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            times[name].append(measure(fn))
+            peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+            mem[name] = max(mem.get(name) or 0.0, peak) if cuda else None
+    return {name: statistics.median(ts) for name, ts in times.items()}, mem
 
 
 def matmul_peak_tflops(device, dtype=torch.bfloat16, n: int = 8192, iters: int = 10) -> float:

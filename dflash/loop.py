@@ -83,8 +83,8 @@ def train_loop(
     interrupted = None
     first = True  # this process's first step: kernels compile there (flex attention, compile)
     clock = StepClock(trainer.device)
-    rank = torch.distributed.get_rank() if trainer.dp_world > 1 else 0
-    prof_dir = os.path.join(run_dir, "profile", f"rank{rank}" if trainer.dp_world > 1 else "")
+    rank_dir = f"rank{torch.distributed.get_rank()}" if trainer.dp_world > 1 else ""
+    prof_dir = os.path.join(run_dir, "profile", rank_dir)
     prof = StepProfiler(tc.profile_at, tc.profile_steps, trainer.device, prof_dir, logger)
     with stop:
         while trainer.step < tc.steps:
