@@ -22,6 +22,7 @@ if os.environ.get("DFLASH_ROOT"):
 
 import argparse
 import dataclasses
+import json
 import time
 
 import torch
@@ -181,39 +182,27 @@ def throughput(fn, n: int, warmup: int, dev) -> float:
 
 
 def profile_steps(path: str, dev, fn, what: str, n: int = 5) -> None:
-    """torch.profiler over n calls of fn: the table by device time (to `path`), and where a
-    call's wall time goes: summed kernel time, kernel count and the trainer's phases
-    (`dflash.*` record_function ranges: host time and the device time of their kernels)."""
-    from torch.profiler import ProfilerActivity, profile
+    """dflash.profiling.StepProfiler over n calls of fn, after n calls timed without it: into
+    directory `path` the tables by device and host time and a Chrome trace; printed: the
+    unprofiled wall per call, the GPU's busy time (union of kernel intervals) and its share,
+    and the trainer's phases (`dflash.*` ranges: host and device ms per call)."""
+    from dflash.profiling import StepProfiler
 
     fn(0)
     sync(dev)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    t = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for i in range(n):
-            fn(i)
-        sync(dev)
-    wall = (time.perf_counter() - t) / n * 1e3
-    avgs = prof.key_averages()
-    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    kernels = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
-    busy = sum(e.device_time for e in kernels if hasattr(e, "device_time")) / 1e3 / n
-    lines = [
-        f"# {what}: {n} calls, wall {wall:.2f} ms per call (profiled)",
-        f"# kernels per call {len(kernels) / n:.0f}, kernel time {busy:.2f} ms per call",
-    ]
-    for e in avgs:
-        if e.key.startswith("dflash."):
-            lines.append(
-                f"# {e.key}: host {e.cpu_time_total / 1e3 / n:.2f} ms, "
-                f"device {getattr(e, 'device_time_total', 0) / 1e3 / n:.2f} ms per call"
-            )
-    table = avgs.table(sort_by=key, row_limit=45)
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n" + table)
-    print("\n".join(lines))
-    print(avgs.table(sort_by=key, row_limit=15))
+    prof = StepProfiler(n + 2, n, dev, path)
+    for s in range(2 * n + 1):
+        prof.before(s)
+        fn(s)
+        prof.after(s + 1)
+        if prof.result is not None:
+            break
+    res = prof.result
+    print(f"# {what}: " + StepProfiler.summary(res, path))
+    for k, (host, device) in res["phases_ms_per_step"].items():
+        print(f"#   {k}: host {host:.2f} ms, device {device:.2f} ms per call")
+    with open(os.path.join(path, "summary.json"), "a") as f:
+        f.write(json.dumps({"what": what} | res) + "\n")
 
 
 def main() -> None:
@@ -242,7 +231,22 @@ def main() -> None:
         choices=["all", "by_weight"],
         help="train.label_sampling of the loop (the step is also timed both ways)",
     )
-    ap.add_argument("--profile", default=None, help="write a torch.profiler table of loop steps")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="directory: torch.profiler tables + traces of the step alone and the loop",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="skip the fused/eager and every-label/by-weight step A/Bs",
+    )
+    ap.add_argument(
+        "--cudagraph-ab",
+        action="store_true",
+        help="with --compile: the loop with the drafter compiled as now vs "
+        'mode="reduce-overhead" (CUDA graphs of its forward and backward), same process',
+    )
     ap.add_argument(
         "--capture-only",
         action="store_true",
@@ -337,7 +341,7 @@ def main() -> None:
                     f"capture_{m}_frac_peak": tf / peak}  # fmt: skip
         report(res, args.out)
         if args.profile:
-            profile_steps(args.profile, dev, capture, f"target capture alone ({mode})")
+            profile_steps(f"{args.profile}/capture", dev, capture, f"capture alone ({mode})")
         return
     step_flops = [
         drafter_step_flops(drafter.spec, tbs[i], tr.prepare(tbs[i], 0)) for i in range(nb)
@@ -373,14 +377,14 @@ def main() -> None:
 
     on = fuse is not None and fuse.ENABLED
     one = lambda i: step_fn([tbs[i % nb]])  # noqa: E731
-    if fuse is not None:  # fused and eager chains, each in alternating rounds
+    if fuse is not None and not args.quick:  # fused and eager chains, alternating rounds
         s_fz, s_eager = ab(("step_fused", "step_eager"), fused(True, one), fused(False, one))
         s_step = s_fz if on else s_eager
     else:
         s_step = throughput(one, args.steps, args.warmup, dev)
     # every label vs labels kept by weight (train.label_sampling), the loop's mode restored after
     s_all = s_lw = None
-    if hasattr(tr, "keep_p_k"):
+    if hasattr(tr, "keep_p_k") and not args.quick:
         from dflash.loss import position_weights
 
         w = position_weights(drafter.spec.block_size, tr.cfg.gamma)
@@ -401,13 +405,14 @@ def main() -> None:
         tr.keep_p_k = mode_p
     tps_step, tf_step = mean(tokens) / s_step, mean(step_flops) / s_step / 1e12
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
-    s_loop, s_rd = ab(
-        ("loop", "loop_read"),
-        fused(on, lambda i: step_fn([capture(i)])),
-        fused(on, lambda i: tr.train_step([capture(i)])),
-    )
+    loop = fused(on, lambda i: step_fn([capture(i)]))
+    if args.quick:
+        s_loop, s_rd = throughput(loop, args.steps, args.warmup, dev), None
+    else:
+        s_loop, s_rd = ab(
+            ("loop", "loop_read"), loop, fused(on, lambda i: tr.train_step([capture(i)]))
+        )
     tps_loop, tf_loop = mean(tokens) / s_loop, mean(loop_flops) / s_loop / 1e12
-    tps_rd = mean(tokens) / s_rd
     # the colocated source (dflash.colocated) capturing in step vs one step ahead on a side
     # stream (topology.overlap_capture); both sources walk the same sample order
     s_src = s_ovl = None
@@ -418,6 +423,8 @@ def main() -> None:
         def source(overlap):
             cfg = RunConfig()
             cfg.train.micro_batch_size, cfg.topology.overlap_capture = args.rows, overlap
+            # the same padded rows as the batches above (one static compiled drafter graph)
+            cfg.train.compile, cfg.data.max_length = args.compile, args.seq
             return LocalBatchSource(target, samples, cfg)
 
         if hasattr(RunConfig().topology, "overlap_capture"):
@@ -429,6 +436,29 @@ def main() -> None:
             )
     except ImportError:
         pass
+    # the drafter compiled as train.compile does vs mode="reduce-overhead": its forward and
+    # backward replayed as CUDA graphs (cudagraph trees), a step marked before each call
+    s_cg = None
+    if args.cudagraph_ab and args.compile:
+        compiled = tr.model
+        graphed = torch.compile(tr.par.model, dynamic=False, mode="reduce-overhead")
+
+        def with_model(m):
+            def run(i):
+                tr.model = m
+                if m is graphed:
+                    torch.compiler.cudagraph_mark_step_begin()
+                return step_fn([capture(i)])
+
+            return run
+
+        try:
+            s_c, s_cg = ab(
+                ("loop_compiled", "loop_cudagraphs"), with_model(compiled), with_model(graphed)
+            )
+        except Exception as e:  # noqa: BLE001 -- reported; the other figures still count
+            print(f"cudagraph A/B failed: {type(e).__name__}: {e}", file=sys.stderr)
+        tr.model = compiled
     ideal = 1 / (1 / tps_cap + 1 / tps_step)
     res = {
         "target": args.target,
@@ -461,7 +491,7 @@ def main() -> None:
                 "step_fused_ms": s_fz * 1e3,
                 "step_fused_speedup": s_eager / s_fz,
             }
-            if fuse is not None
+            if fuse is not None and not args.quick
             else {}
         ),
         **(
@@ -478,9 +508,25 @@ def main() -> None:
         "loop_tokens_per_s": tps_loop,
         "loop_tflops": tf_loop,
         "loop_frac_peak": tf_loop / peak,
-        "loop_read_each_step_ms": s_rd * 1e3,
-        "loop_read_each_step_tokens_per_s": tps_rd,
-        "loop_over_read_each_step": tps_loop / tps_rd,
+        **(
+            {
+                "loop_read_each_step_ms": s_rd * 1e3,
+                "loop_read_each_step_tokens_per_s": mean(tokens) / s_rd,
+                "loop_over_read_each_step": s_rd / s_loop,
+            }
+            if s_rd
+            else {}
+        ),
+        **(
+            {
+                "loop_compiled_ms": s_c * 1e3,
+                "loop_cudagraphs_ms": s_cg * 1e3,
+                "loop_cudagraphs_tokens_per_s": mean(tokens) / s_cg,
+                "cudagraphs_speedup": s_c / s_cg,
+            }
+            if s_cg
+            else {}
+        ),
         **(
             {
                 "loop_source_ms": s_src * 1e3,
@@ -496,8 +542,8 @@ def main() -> None:
     }
     report(res, args.out)
     if args.profile:
-        profile_steps(args.profile, dev, lambda i: step_fn([tbs[i % nb]]), "drafter step alone")
-        profile_steps(args.profile + ".loop", dev, lambda i: tr.train_step([capture(i)]), "loop")
+        profile_steps(f"{args.profile}/step", dev, one, "drafter step alone")
+        profile_steps(f"{args.profile}/loop", dev, lambda i: step_fn([capture(i)]), "loop")
 
 
 if __name__ == "__main__":

@@ -49,3 +49,22 @@ def test_bench_loop_reports_capture_step_loop_and_overlap(tmp_path):
     for key in ("capture_ms", "step_ms", "loop_ms", "loop_source_overlap_ms", "by_weight_speedup"):
         assert res[key] > 0, key
     assert 0 < res["loop_over_ideal"] < 2
+
+
+def test_bench_loop_quick_profiles_step_and_loop(tmp_path):
+    prof = tmp_path / "prof"
+    res = run_bench(
+        "bench_loop",
+        ["--target", "tiny", "--rows", "2", "--seq", "64", "--anchors", "8", "--steps", "1"]
+        + ["--warmup", "1", "--quick", "--profile", str(prof)],
+        tmp_path,
+    )
+    assert "by_weight_speedup" not in res and "step_fused_ms" not in res
+    assert res["loop_ms"] > 0
+    for part in ("step", "loop"):
+        (summary,) = [
+            json.loads(x) for x in (prof / part / "summary.json").read_text().split("\n") if x
+        ]
+        assert summary["steps"][1] - summary["steps"][0] + 1 == 5
+        assert summary["wall_unprofiled"] and summary["wall_ms_per_step"] > 0
+        assert any(k.startswith("dflash.forward") for k in summary["phases_ms_per_step"])

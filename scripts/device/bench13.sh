@@ -8,13 +8,15 @@ OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
 # the recipe's step (16 x 64, compiled, fused, labels by weight), compiled target layers
 LOOP="--rows 16 --anchors 64 --seq 640 --min-len 64 --steps 10 --warmup 3 --ab-rounds 2 --compile
-  --fuse --label-sampling by_weight --compile-target"
+  --fuse --label-sampling by_weight --compile-target --quick --cudagraph-ab"
 for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
   t=$(date +%s)
   case $w in
     smollm2 | qwen05)
       name=$([ $w = smollm2 ] && echo smollm2_135m || echo qwen2_5_coder_0_5b)
-      timeout 240 python3 benchmarks/bench_loop.py --target $name $LOOP --out "$OUT/loop_$w.json" ;;
+      timeout 280 python3 benchmarks/bench_loop.py --target $name $LOOP --out "$OUT/loop_$w.json" \
+        --profile "$OUT/prof_$w"
+      gzip -q "$OUT"/prof_$w/*/*.trace.json ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
     regen) for b in 512 1024; do
