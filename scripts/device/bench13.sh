@@ -1,22 +1,26 @@
 #!/usr/bin/env bash
 # Device call: the issue-13 measurements on random weights (no uploads), each under its own time
 # limit, figures and logs to $OUT. Pick what to run (default: all, ~8 min; split over two calls):
-#   WHAT="smollm2 qwen05" bash scripts/device/bench13.sh
+#   WHAT="smollm2 qwen05" bash scripts/device/bench13.sh  (smollm2_r32 / qwen05_r32: 32 rows)
 #   WHAT="drafter27b regen" bash scripts/device/bench13.sh
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
-# the recipe's step (16 x 64, compiled, fused, labels by weight), compiled target layers
-LOOP="--rows 16 --anchors 64 --seq 640 --min-len 64 --steps 10 --warmup 3 --ab-rounds 2 --compile
-  --fuse --label-sampling by_weight --compile-target --quick --cudagraph-ab"
+# the recipe's step (16 rows x 64 anchors, compiled, fused, labels by weight), compiled target layers
+LOOP="--anchors 64 --seq 640 --min-len 64 --steps 10 --warmup 3 --ab-rounds 2 --compile
+  --fuse --label-sampling by_weight --compile-target --quick"
 for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
   t=$(date +%s)
   case $w in
-    smollm2 | qwen05)
-      name=$([ $w = smollm2 ] && echo smollm2_135m || echo qwen2_5_coder_0_5b)
-      timeout 280 python3 benchmarks/bench_loop.py --target $name $LOOP --out "$OUT/loop_$w.json" \
-        --profile "$OUT/prof_$w"
-      gzip -q "$OUT"/prof_$w/*/*.trace.json ;;
+    smollm2 | qwen05 | smollm2_r32 | qwen05_r32)  # _r32: 32 rows a step instead of 16
+      name=$([ ${w%_r32} = smollm2 ] && echo smollm2_135m || echo qwen2_5_coder_0_5b)
+      rows=$([ $w = ${w%_r32} ] && echo 16 || echo 32)
+      prof=$([ $rows = 16 ] && echo "--profile $OUT/prof_$w")
+      timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP $prof \
+        --out "$OUT/loop_$w.json"
+      rc=$?
+      gzip -q "$OUT"/prof_$w/*/*.trace.json 2> /dev/null
+      (exit $rc) ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
     regen) for b in 512 1024; do
@@ -26,5 +30,5 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
     *) echo "unknown: $w" ;;
   esac > "$OUT/$w.log" 2>&1
   echo "$w rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/status"
-  grep -v DEBUG "$OUT/$w.log" | tail -40
+  grep -v "DEBUG\|^W1[0-9]" "$OUT/$w.log" | tail -40
 done
