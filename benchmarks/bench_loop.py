@@ -165,8 +165,11 @@ def drafter_step_flops(spec, tb, prepared) -> float:
     fwd = ctx_tokens * (spec.num_aux * H * H + L * 2 * H * kv * d)
     fwd += nq * L * (2 * H * h * d + 2 * H * kv * d + 3 * H * I)
     fwd += vis * h * d * 2
-    fwd += int(lvalid.sum()) * H * V
-    return 3 * 2 * fwd
+    # the frozen lm_head: forward + input gradient (no weight gradient), on the labels the step
+    # keeps (train.label_sampling=by_weight keeps a sample of them)
+    labels = getattr(prepared, "num_labels", None)
+    head = (int(lvalid.sum()) if labels is None else labels) * H * V
+    return 3 * 2 * fwd + 2 * 2 * head
 
 
 def throughput(fn, n: int, warmup: int, dev) -> float:

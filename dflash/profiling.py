@@ -30,6 +30,18 @@ def busy_union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def phase_times(avgs, n: int) -> dict[str, list[float]]:
+    """{dflash.* range: [host ms, device ms] per step} from key_averages. On CUDA a range is
+    listed twice (its host span, and its span on the GPU timeline): the larger of each is kept."""
+    phases: dict[str, list[float]] = {}
+    for e in avgs:
+        if e.key.startswith("dflash."):
+            host, dev = e.cpu_time_total / 1e3 / n, getattr(e, "device_time_total", 0) / 1e3 / n
+            old = phases.get(e.key, [0.0, 0.0])
+            phases[e.key] = [max(old[0], host), max(old[1], dev)]
+    return phases
+
+
 class StepProfiler:
     """Profiles steps [first, first + count) of this process; `before` and `after` bracket each
     step of the loop. Inactive (two integer compares a step) when train.profile_at is 0."""
@@ -102,11 +114,7 @@ class StepProfiler:
                 "device_busy_frac": busy / res["wall_ms_per_step"],
             }
         avgs = self.prof.key_averages()
-        res["phases_ms_per_step"] = {  # the trainer's record_function ranges: host, device
-            e.key: [e.cpu_time_total / 1e3 / n, getattr(e, "device_time_total", 0) / 1e3 / n]
-            for e in avgs
-            if e.key.startswith("dflash.")
-        }
+        res["phases_ms_per_step"] = phase_times(avgs, n)
         by = "self_device_time_total" if kernels else "self_cpu_time_total"
         with open(os.path.join(self.out_dir, f"{name}.txt"), "w") as f:
             f.write(json.dumps(res, indent=2) + "\n\n")

@@ -55,3 +55,17 @@ def test_profile_window_cut_short_by_the_end_of_training_is_still_written(tmp_pa
 def test_negative_profile_at_is_refused():
     with pytest.raises(ValueError, match="train.profile_at must be >= 0"):
         StepProfiler(-1, 5, torch.device("cpu"), "unused")
+
+
+def test_phase_times_merges_the_host_and_gpu_entries_of_a_range():
+    from types import SimpleNamespace as E
+
+    from dflash.profiling import phase_times
+
+    avgs = [  # CUDA lists a range twice: its host span, then its span on the GPU timeline
+        E(key="dflash.forward", cpu_time_total=6000.0, device_time_total=500.0),
+        E(key="aten::mm", cpu_time_total=9000.0, device_time_total=9000.0),
+        E(key="dflash.forward", cpu_time_total=0.0, device_time_total=14000.0),
+        E(key="dflash.optimizer", cpu_time_total=2000.0),
+    ]
+    assert phase_times(avgs, 2) == {"dflash.forward": [3.0, 7.0], "dflash.optimizer": [1.0, 0.0]}

@@ -6,7 +6,7 @@
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
-# the recipe's step (16 rows x 64 anchors, compiled, fused, labels by weight), compiled target layers
+# the recipe's step (64 anchors a row, compiled, fused, labels by weight), compiled target layers
 LOOP="--anchors 64 --seq 640 --min-len 64 --steps 10 --warmup 3 --ab-rounds 2 --compile
   --fuse --label-sampling by_weight --compile-target --quick"
 for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
@@ -15,11 +15,10 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
     smollm2 | qwen05 | smollm2_r32 | qwen05_r32)  # _r32: 32 rows a step instead of 16
       name=$([ ${w%_r32} = smollm2 ] && echo smollm2_135m || echo qwen2_5_coder_0_5b)
       rows=$([ $w = ${w%_r32} ] && echo 16 || echo 32)
-      prof=$([ $rows = 16 ] && echo "--profile $OUT/prof_$w")
-      timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP $prof \
-        --out "$OUT/loop_$w.json"
-      rc=$?
-      gzip -q "$OUT"/prof_$w/*/*.trace.json 2> /dev/null
+      timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP \
+        --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
+      rc=$?  # the profile's tables and traces as one file (a call brings back few files)
+      tar czf "$OUT/prof_$w.tgz" -C "$OUT" prof_$w && rm -rf "$OUT/prof_$w"
       (exit $rc) ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
