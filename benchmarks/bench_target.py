@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import load_target_yaml, matmul_peak_tflops, report, timed
+from common import load_target_yaml, matmul_peak_tflops, profile_steps, report, timed
 
 
 def forward_flops_per_token(cfg, seq: int) -> float:
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--num-aux", type=int, default=5)
+    ap.add_argument("--profile", default=None, help="directory: torch.profiler of 3 forwards")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from dflash.linear_attn import linear_attn_report
@@ -80,6 +81,8 @@ def main() -> None:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
     }
     report(res, args.out)
+    if args.profile:
+        profile_steps(args.profile, dev, lambda i: target.capture(ids), "target forward", n=3)
 
 
 if __name__ == "__main__":

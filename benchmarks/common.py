@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import sys
@@ -80,3 +81,27 @@ def report(res: dict, out=None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=2)
+
+
+def profile_steps(path: str, dev, fn, what: str, n: int = 5) -> None:
+    """dflash.profiling.StepProfiler over n calls of fn, after n calls timed without it: into
+    directory `path` the tables by device and host time and a Chrome trace; printed: the
+    unprofiled wall per call, the GPU's busy time (union of kernel intervals) and its share,
+    and the trainer's phases (`dflash.*` ranges: host and device ms per call)."""
+    from dflash.profiling import StepProfiler
+
+    fn(0)
+    sync(dev)
+    prof = StepProfiler(n + 2, n, dev, path)
+    for s in range(2 * n + 1):
+        prof.before(s)
+        fn(s)
+        prof.after(s + 1)
+        if prof.result is not None:
+            break
+    res = prof.result
+    print(f"# {what}: " + StepProfiler.summary(res, path))
+    for k, (host, device) in res["phases_ms_per_step"].items():
+        print(f"#   {k}: host {host:.2f} ms, device {device:.2f} ms per call")
+    with open(os.path.join(path, "summary.json"), "a") as f:
+        f.write(json.dumps({"what": what} | res) + "\n")
