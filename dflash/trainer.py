@@ -192,7 +192,10 @@ class DrafterTrainer:
             hidden_idx,
             num_labels=label_idx.numel(),
             num_tokens=num_tokens,
-            loss_weights_NAK=None if self.keep_p_k is None else weights / self.keep_p_k.to(dev),
+            # pinned, non-blocking: a plain .to() of this host tensor was a stream sync a step
+            loss_weights_NAK=None
+            if self.keep_p_k is None
+            else weights / to_device(self.keep_p_k, dev),
         )
 
     def autocast(self):
