@@ -183,6 +183,13 @@ def throughput(fn, n: int, warmup: int, dev) -> float:
     return (time.perf_counter() - t) / n
 
 
+def pair(key_a: str, s_a, key_b: str, s_b, ratio: str) -> dict:
+    """An A/B pair's figures (ms each, and a / b), or nothing when it was not timed."""
+    if not s_a or not s_b:
+        return {}
+    return {key_a: s_a * 1e3, key_b: s_b * 1e3, ratio: s_a / s_b}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="tiny", choices=sorted(TARGETS))
@@ -355,6 +362,7 @@ def main() -> None:
 
     on = fuse is not None and fuse.ENABLED
     one = lambda i: step_fn([tbs[i % nb]])  # noqa: E731
+    s_fz = s_eager = None
     if fuse is not None and not args.quick:  # fused and eager chains, alternating rounds
         s_fz, s_eager = ab(("step_fused", "step_eager"), fused(True, one), fused(False, one))
         s_step = s_fz if on else s_eager
@@ -416,7 +424,7 @@ def main() -> None:
         pass
     # the drafter compiled as train.compile does vs mode="reduce-overhead": its forward and
     # backward replayed as CUDA graphs (cudagraph trees), a step marked before each call
-    s_cg = None
+    s_c = s_cg = None
     if args.cudagraph_ab and args.compile:
         compiled = tr.model
         graphed = torch.compile(tr.par.model, dynamic=False, mode="reduce-overhead")
@@ -462,58 +470,17 @@ def main() -> None:
         "step_tokens_per_s": tps_step,
         "step_tflops": tf_step,
         "step_frac_peak": tf_step / peak,
-        **(
-            {
-                "fuse_default": on,
-                "step_eager_ms": s_eager * 1e3,
-                "step_fused_ms": s_fz * 1e3,
-                "step_fused_speedup": s_eager / s_fz,
-            }
-            if fuse is not None and not args.quick
-            else {}
-        ),
-        **(
-            {
-                "label_sampling": args.label_sampling,
-                "step_all_labels_ms": s_all * 1e3,
-                "step_by_weight_ms": s_lw * 1e3,
-                "by_weight_speedup": s_all / s_lw,
-            }
-            if s_all
-            else {}
-        ),
+        **({"fuse_default": on} if s_fz else {}),
+        **pair("step_eager_ms", s_eager, "step_fused_ms", s_fz, "step_fused_speedup"),
+        **({"label_sampling": args.label_sampling} if s_all else {}),
+        **pair("step_all_labels_ms", s_all, "step_by_weight_ms", s_lw, "by_weight_speedup"),
         "loop_ms": s_loop * 1e3,
         "loop_tokens_per_s": tps_loop,
         "loop_tflops": tf_loop,
         "loop_frac_peak": tf_loop / peak,
-        **(
-            {
-                "loop_read_each_step_ms": s_rd * 1e3,
-                "loop_read_each_step_tokens_per_s": mean(tokens) / s_rd,
-                "loop_over_read_each_step": s_rd / s_loop,
-            }
-            if s_rd
-            else {}
-        ),
-        **(
-            {
-                "loop_compiled_ms": s_c * 1e3,
-                "loop_cudagraphs_ms": s_cg * 1e3,
-                "loop_cudagraphs_tokens_per_s": mean(tokens) / s_cg,
-                "cudagraphs_speedup": s_c / s_cg,
-            }
-            if s_cg
-            else {}
-        ),
-        **(
-            {
-                "loop_source_ms": s_src * 1e3,
-                "loop_source_overlap_ms": s_ovl * 1e3,
-                "overlap_speedup": s_src / s_ovl,
-            }
-            if s_src
-            else {}
-        ),
+        **pair("loop_read_each_step_ms", s_rd, "loop_ms", s_loop, "loop_over_read_each_step"),
+        **pair("loop_compiled_ms", s_c, "loop_cudagraphs_ms", s_cg, "cudagraphs_speedup"),
+        **pair("loop_source_ms", s_src, "loop_source_overlap_ms", s_ovl, "overlap_speedup"),
         "ideal_tokens_per_s": ideal,
         "loop_over_ideal": tps_loop / ideal,
         **{f"peak_mem_{k}_gib": v for k, v in mem.items()},
