@@ -147,7 +147,10 @@ def run_colocated(
     samples = dataset_for_rank(cfg, target, run_dir, session.logger.info, ctx)
     phase_done("data")
     trainer, evaluator = session.start(
-        target, target.device, dp_group=ctx.world_group if multi else None
+        target,
+        target.device,
+        dp_group=ctx.world_group if multi else None,
+        ctrl_group=ctx.ctrl if multi else None,  # gloo over the same ranks: host-side flags
     )
     phase_done("trainer and eval set")
     source = LocalBatchSource(

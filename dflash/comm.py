@@ -133,9 +133,9 @@ def init_distributed(backend: str, timeout_s: float, startup_timeout_s: float) -
     )
 
 
-def new_group(ranks: Sequence[int]):
+def new_group(ranks: Sequence[int], backend: str | None = None):
     """Collective over the whole job: every rank must call it, in the same order."""
-    return dist.new_group(ranks=list(ranks))
+    return dist.new_group(ranks=list(ranks), backend=backend)
 
 
 def shutdown() -> None:

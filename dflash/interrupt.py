@@ -50,9 +50,13 @@ class StopRequest:
 def agree_any(flags: list[bool], group=None, device: torch.device | None = None) -> list[bool]:
     """Each flag as true on every data-parallel rank if it is true on any (one all-reduce for
     all of them): every rank must stop after the same step (a rank that stopped alone would leave
-    its peers waiting in the next all-reduce), whether its clock ran out or Ctrl-C reached it."""
+    its peers waiting in the next all-reduce), whether its clock ran out or Ctrl-C reached it.
+    On a gloo group the flags stay on the host: an NCCL all-reduce read back with .tolist() waits
+    for the whole step's kernels (a sync a step); the train loop passes its gloo control group."""
     if group is None:
         return list(flags)
+    if dist.get_backend(group) == "gloo":
+        device = torch.device("cpu")
     t = torch.tensor([float(f) for f in flags], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [v > 0 for v in t.tolist()]

@@ -211,7 +211,7 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         budget.note("step", budget.now() - b0)
     out_of_time, interrupted = agree_any(
         [budget is not None and budget.done(), stop.requested],
-        trainer.dp_group if trainer.dp_world > 1 else None,
+        (trainer.ctrl_group or trainer.dp_group) if trainer.dp_world > 1 else None,
         trainer.device,
     )
     final = final or out_of_time

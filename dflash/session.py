@@ -29,7 +29,7 @@ class Session:
     logger: Logger
 
     def start(
-        self, target, device: torch.device, dp_group=None
+        self, target, device: torch.device, dp_group=None, ctrl_group=None
     ) -> tuple[DrafterTrainer, Evaluator | None]:
         """`target`: the full target or a trainer's heads-only one (embedding, lm_head, and what
         the eval set needs); the evaluator reads or builds the eval set in the data cache."""
@@ -47,6 +47,8 @@ class Session:
             device,
             dp_group=dp_group,
         )
+        # the loop's per-step stop agreement runs on this (gloo) group when given
+        trainer.ctrl_group = ctrl_group
         return trainer, evaluator
 
 

@@ -186,9 +186,12 @@ def _agree_rank(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     # rank 1's clock ran out; nobody pressed Ctrl-C; rank 0 alone was interrupted afterwards
+    # a gloo group keeps the flags on the host whatever the trainer's device (the loop passes
+    # the gloo control group so that the agreement never waits for a CUDA stream): "meta"
+    # stands in for cuda here and would fail in the all-reduce if the flags went there
     got = [
         agree_any([rank == 1, False], dist.group.WORLD),
-        agree_any([False, rank == 0], dist.group.WORLD),
+        agree_any([False, rank == 0], dist.group.WORLD, torch.device("meta")),
     ]
     torch.save(got, os.path.join(out_dir, f"agree{rank}.pt"))
     dist.destroy_process_group()

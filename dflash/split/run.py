@@ -11,7 +11,9 @@ from .worker import run_worker
 
 def run_split(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> None:
     dp_group = new_group(roles.trainer_ranks)  # collective: every rank creates it
+    # the trainers' stop flags agree on the host (gloo), not through the step's stream
+    ctrl_group = new_group(roles.trainer_ranks, backend="gloo")
     if ctx.rank < roles.num_workers:
         run_worker(cfg, run_dir, ctx, roles)
     else:
-        run_trainer(cfg, run_dir, ctx, roles, dp_group)
+        run_trainer(cfg, run_dir, ctx, roles, dp_group, ctrl_group)

@@ -16,7 +16,9 @@ from .receiver import StreamedBatchSource
 from .schedule import Roles, Schedule
 
 
-def run_trainer(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles, dp_group) -> None:
+def run_trainer(
+    cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles, dp_group, ctrl_group=None
+) -> None:
     d = ctx.rank - roles.num_workers
     writer = d == 0
     torch.manual_seed(cfg.train.seed)
@@ -31,7 +33,7 @@ def run_trainer(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles, dp
         f"trainer heads: {target.how}",
     ]
     session = open_session(cfg, run_dir, target.shape, writer=writer, describe=describe)
-    trainer, evaluator = session.start(target, ctx.device, dp_group=dp_group)
+    trainer, evaluator = session.start(target, ctx.device, dp_group=dp_group, ctrl_group=ctrl_group)
     stream = SampleStream(info["num_samples"], cfg.data.seed)
     # trainer 0 announces (checkpoint, step, stream position) to every rank, workers included
     start = resume(cfg, run_dir, trainer, stream, session.logger, ctx, src=roles.trainer_rank(0))
