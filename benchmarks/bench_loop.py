@@ -230,7 +230,8 @@ def main() -> None:
         "--cudagraph-ab",
         action="store_true",
         help="with --compile: the loop with the drafter compiled as now vs "
-        'mode="reduce-overhead" (CUDA graphs of its forward and backward), same process',
+        'mode="reduce-overhead" (CUDA graphs of its forward and backward), same process '
+        "(2026-12-04, H200, torch 2.11: an unspecified launch failure; the A/B reports it)",
     )
     ap.add_argument(
         "--capture-only",
