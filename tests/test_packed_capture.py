@@ -169,6 +169,24 @@ def test_compiled_layers_capture_equals_eager_and_only_inside_the_capture(monkey
     assert torch.equal(got.next_token_NT, ref.next_token_NT)
 
 
+def test_compiled_layers_trace_a_hybrid_target(monkeypatch):
+    """Gated-DeltaNet + attention layers (the 27B worker's kind; unpacked rows, torch kernels on
+    CPU) go through dynamo too, with the eager forward's aux states and labels: the first step
+    toward compiling the worker's elementwise chains (its profile: 42 % of the forward)."""
+    target = get_target("tiny_qwen3_5")
+    assert not target.packs_capture
+    batch = collate(_samples(target.vocab_size), pad_id=0)
+    ref = target_forward(target, batch)
+    target.compiled_layers = compiled = _compiled(target, monkeypatch)
+    try:
+        got = target_forward(target, batch)
+    finally:
+        target.compiled_layers = None
+    assert not compiled.failed
+    torch.testing.assert_close(got.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.next_token_NT, ref.next_token_NT)
+
+
 def test_a_layer_compile_that_fails_warns_and_runs_eagerly(monkeypatch, capsys):
     def broken_backend(gm, *args, **kwargs):
         raise RuntimeError("no compiler here")
