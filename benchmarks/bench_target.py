@@ -49,6 +49,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--num-aux", type=int, default=5)
     ap.add_argument("--profile", default=None, help="directory: torch.profiler of 3 forwards")
+    ap.add_argument(
+        "--compile-layers",
+        action="store_true",
+        help="also time the forward with target.compile_layers (same process, same input); "
+        "the profile then covers the compiled forward",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from dflash.linear_attn import linear_attn_report
@@ -80,6 +86,20 @@ def main() -> None:
         "floor_tokens_per_s_at_peak": peak * 1e12 / fpt,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
     }
+    compiled = None
+    if args.compile_layers:
+        from dflash.capture_graphs import CompiledLayers
+
+        compiled = target.compiled_layers = CompiledLayers.of(target, True)  # None on CPU
+    if compiled is not None:
+        sc = timed(lambda: target.capture(ids), dev, args.iters)
+        res |= {
+            "compiled_layers_failed": compiled.failed,  # True: it fell back to eager
+            "s_per_forward_compiled": sc,
+            "tokens_per_s_compiled": tokens / sc,
+            "fraction_of_peak_compiled": fpt * tokens / sc / 1e12 / peak,
+            "compiled_speedup": s / sc,
+        }
     report(res, args.out)
     if args.profile:
         profile_steps(args.profile, dev, lambda i: target.capture(ids), "target forward", n=3)

@@ -68,3 +68,13 @@ def test_bench_loop_quick_profiles_step_and_loop(tmp_path):
         assert summary["steps"][1] - summary["steps"][0] + 1 == 5
         assert summary["wall_unprofiled"] and summary["wall_ms_per_step"] > 0
         assert any(k.startswith("dflash.forward") for k in summary["phases_ms_per_step"])
+
+
+def test_bench_target_reports_the_forward(tmp_path):
+    res = run_bench(
+        "bench_target",
+        ["--target", "tiny_qwen3_5", "--seq", "64", "--iters", "1", "--compile-layers"],
+        tmp_path,
+    )
+    assert res["tokens_per_s"] > 0 and 0 < res["fraction_of_peak"]
+    assert "s_per_forward_compiled" not in res  # compile_layers is CUDA-only: CPU runs eager

@@ -3,6 +3,7 @@
 # limit, figures and logs to $OUT. Pick what to run (default: all, ~8 min; split over two calls):
 #   WHAT="smollm2 qwen05" bash scripts/device/bench13.sh  (smollm2_r32 / qwen05_r32: 32 rows)
 #   WHAT="drafter27b regen" bash scripts/device/bench13.sh
+#   WHAT=worker27b bash scripts/device/bench13.sh  (carry .fla: the fla wheels)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
@@ -22,6 +23,13 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       (exit $rc) ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
+    worker27b)  # carry .fla too (fla wheels): the forward eager vs target.compile_layers, profiled
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .fla/*.whl
+      timeout 420 python3 benchmarks/bench_target.py --target qwen3_6_27b_random --backend fla \
+        --seq 4096 --iters 3 --compile-layers --profile "$OUT/prof_$w" --out "$OUT/worker_27b.json"
+      rc=$?
+      tar czf "$OUT/prof_$w.tgz" -C "$OUT" prof_$w && rm -rf "$OUT/prof_$w"
+      (exit $rc) ;;
     regen) for b in 512 1024; do
         timeout 120 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
           --new 256 --out "$OUT/regen_$b.json"
