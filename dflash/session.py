@@ -46,9 +46,8 @@ class Session:
             cfg.train,
             device,
             dp_group=dp_group,
+            ctrl_group=ctrl_group,
         )
-        # the loop's per-step stop agreement runs on this (gloo) group when given
-        trainer.ctrl_group = ctrl_group
         return trainer, evaluator
 
 

@@ -94,12 +94,13 @@ class DrafterTrainer:
         cfg: TrainConfig,
         device: torch.device,
         dp_group=None,
+        ctrl_group=None,
     ):
         self.cfg, self.device, self.heads = cfg, device, heads
         self.spec: DrafterSpec = drafter.spec
         self.drafter = drafter.to(device=device, dtype=torch.float32)  # fp32 master weights
         self.dp_group = dp_group
-        self.ctrl_group = None  # gloo twin of dp_group for host-side flags (Session.start sets it)
+        self.ctrl_group = ctrl_group  # a gloo twin of dp_group: the loop's host-side stop flags
         self.dp_world = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.dtype = compute_dtype(cfg.dtype, device)
         if self.dtype == torch.float16:

@@ -7,6 +7,11 @@
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
+pack_profile() {  # keep the command's status; the profile dir as one file (a call brings back few)
+  local rc=$?
+  tar czf "$OUT/prof_$1.tgz" -C "$OUT" "prof_$1" && rm -rf "$OUT/prof_$1"
+  return $rc
+}
 # the recipe's step (64 anchors a row, compiled, fused, labels by weight), compiled target layers
 LOOP="--anchors 64 --seq 640 --min-len 64 --steps 10 --warmup 3 --ab-rounds 2 --compile
   --fuse --label-sampling by_weight --compile-target --quick"
@@ -18,18 +23,14 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       rows=$([ $w = ${w%_r32} ] && echo 16 || echo 32)
       timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP \
         --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
-      rc=$?  # the profile's tables and traces as one file (a call brings back few files)
-      tar czf "$OUT/prof_$w.tgz" -C "$OUT" prof_$w && rm -rf "$OUT/prof_$w"
-      (exit $rc) ;;
+      pack_profile $w ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
     worker27b)  # carry .fla too (fla wheels): the forward eager vs target.compile_layers, profiled
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .fla/*.whl
       timeout 420 python3 benchmarks/bench_target.py --target qwen3_6_27b_random --backend fla \
         --seq 4096 --iters 3 --compile-layers --profile "$OUT/prof_$w" --out "$OUT/worker_27b.json"
-      rc=$?
-      tar czf "$OUT/prof_$w.tgz" -C "$OUT" prof_$w && rm -rf "$OUT/prof_$w"
-      (exit $rc) ;;
+      pack_profile $w ;;
     regen) for b in 512 1024; do
         timeout 120 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
           --new 256 --out "$OUT/regen_$b.json"
