@@ -8,15 +8,15 @@ import sys
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from dflash.cli import setup, typed
+from dflash.run.cli import setup, typed
 
 setup()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    from dflash.eval_cli import eval_dir, run_eval
-    from dflash.runlog import RunDir
+    from dflash.eval.cli import eval_dir, run_eval
+    from dflash.run.directory import RunDir
 
     rd = None
     try:

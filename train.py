@@ -4,14 +4,14 @@ docs/architecture.md)."""
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from dflash.cli import setup
+from dflash.run.cli import setup
 
 setup()
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    from dflash.launch import launch
+    from dflash.run.launcher import launch
 
     launch(cfg, list(HydraConfig.get().overrides.task))
 

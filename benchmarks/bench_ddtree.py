@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from dflash.ddtree import build_ddtree, ddtree_accept, ddtree_accept_many, ddtree_accept_topk
-from dflash.metrics import walk_chain, walk_ddtree
+from dflash.decoding.ddtree import build_ddtree
+from dflash.eval.ddtree import ddtree_accept, ddtree_accept_many, ddtree_accept_topk
+from dflash.eval.metrics import walk_chain, walk_ddtree
 
 
 def drafter_like_block(gen: torch.Generator, D: int, V: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ is token-for-token identical to AR, and prints tokens/s, tau and the speedup ove
 
 Drafters: `--ckpt PATH` (a serving-format drafter directory; the target's aux layers and mask
 token come from it), `random` (random weights: tau ~ 1, shows the pure overhead of drafting and
-verifying), `oracle` (dflash.testing.OracleDrafter over the random drafter: the target's own
+verifying), `oracle` (dflash.tools.testing.OracleDrafter over the random drafter: the target's own
 greedy tokens pushed in with a hashed pattern of hits, runner-ups and misses; an instrument to
 time the acceptance regime of a trained drafter, not a drafter). Prompts are random token ids.
 `--temperature T` > 0 adds sampled AR and sampled chain decoding (`sample_ar`, `sample_chain`,
@@ -37,7 +37,7 @@ from dflash.decoding import (  # noqa: E402
     sample_ar,
     sample_chain,
 )
-from dflash.testing import OracleDrafter  # noqa: E402
+from dflash.tools.testing import OracleDrafter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,17 +46,17 @@ def load(name: str, args):
     from omegaconf import OmegaConf
 
     from dflash.config import DrafterConfig, TargetConfig
-    from dflash.drafter import DFlashDrafter
-    from dflash.linear_attn import linear_attn_report
-    from dflash.spec import resolve_spec
-    from dflash.target import load_target
+    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.spec import resolve_spec
+    from dflash.target.linear_attn import linear_attn_report
+    from dflash.target.load import load_target
 
     raw = OmegaConf.to_container(
         OmegaConf.load(os.path.join(ROOT, "conf", "target", f"{name}.yaml")), resolve=True
     )
     tcfg = TargetConfig(**raw)
     if args.ckpt:
-        from dflash.checkpoint import load_drafter
+        from dflash.drafter.checkpoint import load_drafter
 
         drafter, _ = load_drafter(args.ckpt)
         target = load_target(

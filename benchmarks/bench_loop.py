@@ -71,7 +71,7 @@ TARGETS = {  # name -> (target yaml, drafter yaml or None = 3 full-attention lay
 
 def build_target(name: str, backend: str):
     from dflash.config import TargetConfig
-    from dflash.target import load_conf, load_target
+    from dflash.target.load import load_conf, load_target
 
     yaml_name, _, mask_id = TARGETS[name]
     raw = load_conf("target", yaml_name)
@@ -90,8 +90,8 @@ def build_target(name: str, backend: str):
 
 def build_drafter(name: str, target, layers: int | None = None):
     from dflash.config import DrafterConfig
-    from dflash.drafter import DFlashDrafter
-    from dflash.target import load_conf
+    from dflash.drafter.model import DFlashDrafter
+    from dflash.target.load import load_conf
 
     dname = TARGETS[name][1]
     raw = load_conf("drafter", dname) if dname else dict(num_layers=3, block_size=16)
@@ -101,11 +101,11 @@ def build_drafter(name: str, target, layers: int | None = None):
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
     dcfg = DrafterConfig(**{k: v for k, v in raw.items() if k in fields})
     try:  # current layout
-        from dflash.spec import resolve_spec
+        from dflash.drafter.spec import resolve_spec
 
         spec = resolve_spec(dcfg, target.shape)
     except ImportError:  # checkouts before the restructure (the recorded main baseline)
-        from dflash.trainer import resolve_spec
+        from dflash.train.step import resolve_spec
 
         mc = target.model.config
         spec = resolve_spec(
@@ -124,7 +124,7 @@ def build_drafter(name: str, target, layers: int | None = None):
 
 
 def make_samples(n: int, seq: int, vocab: int, mask_id: int, seed: int, min_len=None):
-    from dflash.batch import Sample
+    from dflash.data.batch import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -241,20 +241,20 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    import dflash.batch as dbatch
+    import dflash.data.batch as dbatch
     from dflash.config import TrainConfig
-    from dflash.drafter import num_params
-    from dflash.trainer import DrafterTrainer
+    from dflash.drafter.model import num_params
+    from dflash.train.step import DrafterTrainer
 
     try:
-        from dflash.shape import Heads
+        from dflash.target.shape import Heads
     except ImportError:  # before the restructure
-        from dflash.trainer import Heads
+        from dflash.train.step import Heads
 
     target, weights = build_target(args.target, args.backend)
     dev = target.device
     if args.compile_target:  # target.compile_layers: per layer, only inside the capture
-        from dflash.capture_graphs import CompiledLayers
+        from dflash.target.graphs import CompiledLayers
 
         target.compiled_layers = CompiledLayers.of(target, True)
     drafter = build_drafter(args.target, target, args.layers)
@@ -335,8 +335,8 @@ def main() -> None:
     # the loop's step queues its kernels and leaves its figures on the device (read at log
     # steps); train_step reads them back every step (one sync): both timed, same batches
     step_fn = getattr(tr, "step_async", tr.train_step)
-    try:  # the drafter's elementwise chains fused (dflash.fuse) or eager, same process
-        from dflash import fuse
+    try:  # the drafter's elementwise chains fused (dflash.drafter.fuse) or eager, same process
+        from dflash.drafter import fuse
     except ImportError:
         fuse = None
 
@@ -372,7 +372,7 @@ def main() -> None:
     # every label vs labels kept by weight (train.label_sampling), the loop's mode restored after
     s_all = s_lw = None
     if hasattr(tr, "keep_p_k") and not args.quick:
-        from dflash.loss import position_weights
+        from dflash.train.losses import position_weights
 
         w = position_weights(drafter.spec.block_size, tr.cfg.gamma)
         mode_p = tr.keep_p_k
@@ -400,12 +400,12 @@ def main() -> None:
             ("loop", "loop_read"), loop, fused(on, lambda i: tr.train_step([capture(i)]))
         )
     tps_loop, tf_loop = mean(tokens) / s_loop, mean(loop_flops) / s_loop / 1e12
-    # the colocated source (dflash.colocated) capturing in step vs one step ahead on a side
+    # the colocated source (dflash.train.colocated) capturing in step vs one step ahead on a side
     # stream (topology.overlap_capture); both sources walk the same sample order
     s_src = s_ovl = None
     try:
-        from dflash.colocated import LocalBatchSource
         from dflash.config import RunConfig
+        from dflash.train.colocated import LocalBatchSource
 
         def source(overlap):
             cfg = RunConfig()

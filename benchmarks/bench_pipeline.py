@@ -4,9 +4,9 @@
     python benchmarks/bench_pipeline.py --workers 2 --trainers 1 --steps 60 --target tiny_qwen3_5
     python benchmarks/bench_pipeline.py --backend nccl        # GPUs: needs workers + trainers devices
 
-Each rank is a fresh process started with torchrun's environment (dflash.testing.launch_local) that
+Each rank is a fresh process started with torchrun's environment (dflash.tools.testing.launch_local) that
 builds its RunConfig from the conf/ group files (no Hydra, so it also runs where Hydra is not
-installed) and calls dflash.launch.run_distributed (split) or dflash.colocated.run_colocated
+installed) and calls dflash.run.launcher.run_distributed (split) or dflash.train.colocated.run_colocated
 (colocated, one process). Figures come from each run's metrics.jsonl, averaged over the logged
 steps after the first (warm-up), plus the workers' own summary lines.
 
@@ -81,19 +81,19 @@ def child(spec_path: str) -> None:
     run_dir = os.path.join(spec["out_root"], spec["name"])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if cfg.topology.mode == "split" or world > 1:
-        from dflash.launch import run_distributed
-        from dflash.split.schedule import Roles
+        from dflash.run.launcher import run_distributed
+        from dflash.train.split.schedule import Roles
 
         run_distributed(cfg, run_dir, Roles.from_topology(cfg.topology, world))
     else:
-        from dflash.colocated import run_colocated
+        from dflash.train.colocated import run_colocated
 
         run_colocated(cfg, run_dir)
 
 
 # ----------------------------------------------------------------------------- parent
 def run(args, name: str, mode: str, nproc: int, root: Path) -> dict:
-    from dflash.testing import launch_local, wait_all
+    from dflash.tools.testing import launch_local, wait_all
 
     spec = {
         "name": name,

@@ -1,4 +1,4 @@
-"""Regeneration throughput: the static-cache, graph-replayed greedy decoder (dflash.regen) with
+"""Regeneration throughput: the static-cache, graph-replayed greedy decoder (dflash.target.regen) with
 and without compaction (ended rows leaving the batch), and HF `generate`, on the same prompts in
 the same process, with the token agreement.
 
@@ -68,7 +68,7 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="also time the compiled step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
+    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
 
     target, weights = build_target(args.target, "auto")
     if args.dtype == "float32":

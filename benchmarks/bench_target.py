@@ -57,8 +57,8 @@ def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from dflash.linear_attn import linear_attn_report
-    from dflash.target import load_target
+    from dflash.target.linear_attn import linear_attn_report
+    from dflash.target.load import load_target
 
     tcfg = load_target_yaml(args.target)
     tcfg.linear_attn_backend = args.backend
@@ -88,7 +88,7 @@ def main() -> None:
     }
     compiled = None
     if args.compile_layers:
-        from dflash.capture_graphs import CompiledLayers
+        from dflash.target.graphs import CompiledLayers
 
         compiled = target.compiled_layers = CompiledLayers.of(target, True)  # None on CPU
     if compiled is not None:

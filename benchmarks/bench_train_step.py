@@ -43,12 +43,12 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
-    from dflash.batch import TargetBatch
     from dflash.config import DrafterConfig, TrainConfig
-    from dflash.drafter import DFlashDrafter, num_params
-    from dflash.shape import Heads, TargetShape
-    from dflash.spec import resolve_spec
-    from dflash.trainer import DrafterTrainer
+    from dflash.data.batch import TargetBatch
+    from dflash.drafter.model import DFlashDrafter, num_params
+    from dflash.drafter.spec import resolve_spec
+    from dflash.target.shape import Heads, TargetShape
+    from dflash.train.step import DrafterTrainer
 
     H, V, L, dname = SHAPES[args.shape]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -46,11 +46,11 @@ def analytic_bytes(params: int, head_bytes: int, sharded: tuple, ranks: int) -> 
 def run_mode(args) -> dict:
     import torch.distributed as dist
 
-    from dflash.batch import TargetBatch
     from dflash.config import TrainConfig
-    from dflash.drafter import DFlashDrafter, num_params
-    from dflash.shape import Heads
-    from dflash.trainer import DrafterTrainer
+    from dflash.data.batch import TargetBatch
+    from dflash.drafter.model import DFlashDrafter, num_params
+    from dflash.target.shape import Heads
+    from dflash.train.step import DrafterTrainer
 
     dist_mode, stage, _ = MODES[args.mode]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -119,8 +119,8 @@ def drafter_spec(shape_name: str):
     from omegaconf import OmegaConf
 
     from dflash.config import DrafterConfig
-    from dflash.shape import TargetShape
-    from dflash.spec import resolve_spec
+    from dflash.drafter.spec import resolve_spec
+    from dflash.target.shape import TargetShape
 
     H, V, L, dname = SHAPES[shape_name]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,7 +158,7 @@ def analytic_rows(args) -> list[dict]:
 
 
 def spec_params(spec) -> int:
-    from dflash.drafter import DFlashDrafter, num_params
+    from dflash.drafter.model import DFlashDrafter, num_params
 
     with torch.device("meta"):
         return num_params(DFlashDrafter(spec))

@@ -84,11 +84,11 @@ def report(res: dict, out=None) -> None:
 
 
 def profile_steps(path: str, dev, fn, what: str, n: int = 5) -> None:
-    """dflash.profiling.StepProfiler over n calls of fn, after n calls timed without it: into
+    """dflash.common.profiling.StepProfiler over n calls of fn, after n calls timed without it: into
     directory `path` the tables by device and host time and a Chrome trace; printed: the
     unprofiled wall per call, the GPU's busy time (union of kernel intervals) and its share,
     and the trainer's phases (`dflash.*` ranges: host and device ms per call)."""
-    from dflash.profiling import StepProfiler
+    from dflash.common.profiling import StepProfiler
 
     fn(0)
     sync(dev)

@@ -33,7 +33,7 @@ MECHANISM_OVERRIDES = {"tiny_qwen3_5": {"init_std": 0.01, "lm_head_scale": 1.0}}
 
 
 def get_target(name: str, num_aux: int = 3, layer_ids=None):
-    from dflash.target import load_target
+    from dflash.target.load import load_target
 
     key = (name, num_aux, tuple(layer_ids) if layer_ids else None)
     if key not in _TARGETS:
@@ -51,8 +51,8 @@ def make_drafter(
     std=0.05,
 ):
     from dflash.config import DrafterConfig
-    from dflash.drafter import DFlashDrafter
-    from dflash.spec import resolve_spec
+    from dflash.drafter.model import DFlashDrafter
+    from dflash.drafter.spec import resolve_spec
 
     dcfg = DrafterConfig(
         num_layers=len(layer_types),

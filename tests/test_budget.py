@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from dflash.budget import TimeBudget, budget_lr
+from dflash.train.budget import TimeBudget, budget_lr
 
 
 class Clock:
@@ -58,7 +58,7 @@ def _cfg(tmp_path, resume=None):
     from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from dflash.cli import setup, typed
+    from dflash.run.cli import setup, typed
 
     setup()
     over = [
@@ -89,8 +89,8 @@ def _cfg(tmp_path, resume=None):
 @pytest.fixture
 def fake_time(monkeypatch):
     """Each train step takes 4 s and each eval 3 s of a fake clock; loading takes none."""
-    import dflash.evaluation as ev
-    import dflash.trainer as tr
+    import dflash.eval.offline as ev
+    import dflash.train.step as tr
 
     clock = Clock()
     monkeypatch.setattr(tr, "TimeBudget", functools.partial(TimeBudget, now=clock))
@@ -114,13 +114,13 @@ def _rows(run_dir):
 
 
 def _master(step_dir) -> dict:
-    from dflash.checkpoint import STATE_FILE
+    from dflash.common.layout import STATE_FILE
 
     return torch.load(os.path.join(step_dir, STATE_FILE), weights_only=False)
 
 
 def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path, fake_time, capsys):
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     run_dir = str(tmp_path / "full")
     out = run_colocated(_cfg(tmp_path), run_dir)
@@ -150,7 +150,7 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
 
 
 def test_budgeted_resume_continues_the_clock_and_equals_uninterrupted(tmp_path, fake_time):
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     full = run_colocated(_cfg(tmp_path), str(tmp_path / "full"))
     fake_time.t = 0.0
@@ -169,7 +169,7 @@ def test_budgeted_resume_continues_the_clock_and_equals_uninterrupted(tmp_path, 
 
 def test_budget_with_split_topology_is_refused_before_anything_runs():
     from dflash.config import RunConfig, TopologyConfig, TrainConfig
-    from dflash.preflight import check_dist
+    from dflash.run.preflight import check_dist
 
     cfg = RunConfig(train=TrainConfig(time_budget_min=5), topology=TopologyConfig(mode="split"))
     with pytest.raises(ValueError, match="time_budget_min.*split"):
@@ -181,7 +181,7 @@ def test_budget_with_split_topology_is_refused_before_anything_runs():
 def _agree_rank(rank, port, out_dir):
     import torch.distributed as dist
 
-    from dflash.interrupt import agree_any
+    from dflash.common.interrupt import agree_any
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -201,7 +201,7 @@ def test_ranks_stop_together_when_any_rank_runs_out_of_time_or_is_interrupted(tm
     """One all-reduce per step carries both flags: every rank sees either one if any rank has it."""
     import torch.multiprocessing as mp
 
-    from dflash.testing import free_port
+    from dflash.tools.testing import free_port
 
     mp.spawn(_agree_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
@@ -209,7 +209,7 @@ def test_ranks_stop_together_when_any_rank_runs_out_of_time_or_is_interrupted(tm
 
 
 def test_startup_phases_count_from_the_previous_phase_and_restart_with_each_run(monkeypatch):
-    import dflash.budget as b
+    import dflash.train.budget as b
 
     t = [1000.0]
     monkeypatch.setattr(b.time, "monotonic", lambda: t[0])

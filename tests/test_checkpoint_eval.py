@@ -9,9 +9,11 @@ import pytest
 import torch
 from conftest import ROOT, make_drafter
 
-from dflash.checkpoint import load_drafter, save_checkpoint, save_drafter
-from dflash.evaluation import EvalItem, draft_all_anchors
-from dflash.shape import Heads
+from dflash.drafter.checkpoint import load_drafter, save_drafter
+from dflash.eval.offline import draft_all_anchors
+from dflash.eval.sets import EvalItem
+from dflash.target.shape import Heads
+from dflash.train.resume import save_checkpoint
 
 EXPECTED_LAYER_KEYS = {
     "self_attn.q_proj.weight",
@@ -66,7 +68,7 @@ def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
 
 def test_eval_drafts_equal_training_path(tiny_qwen):
     """The eval's cached-context pass gives the same predictions as the training forward."""
-    from dflash.blocks import build_blocks, mask_rules
+    from dflash.drafter.blocks import build_blocks, mask_rules
 
     d = make_drafter(tiny_qwen, block_size=4)
     g = torch.Generator().manual_seed(0)
@@ -264,7 +266,7 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
 
 
 def test_lost_latest_pointer_falls_back_to_newest_step(tiny_qwen, tmp_path):
-    from dflash.checkpoint import find_checkpoint
+    from dflash.common.layout import find_checkpoint
 
     d = make_drafter(tiny_qwen)
     save_checkpoint(str(tmp_path / "r"), 2, d, {})
@@ -274,7 +276,7 @@ def test_lost_latest_pointer_falls_back_to_newest_step(tiny_qwen, tmp_path):
 
 
 def test_checkpoint_keeps_fp32_master_weights(tiny_qwen, tmp_path):
-    from dflash.checkpoint import load_checkpoint
+    from dflash.train.resume import load_checkpoint
 
     d = make_drafter(tiny_qwen)
     with torch.no_grad():
@@ -288,7 +290,7 @@ def test_checkpoint_keeps_fp32_master_weights(tiny_qwen, tmp_path):
 
 
 def test_report_json_is_strict(tmp_path):
-    from dflash.report import write_json
+    from dflash.eval.report import write_json
 
     write_json(str(tmp_path / "r.json"), [], {"tau": float("nan"), "x": [1.0, float("inf")]}, {})
     assert json.load(open(tmp_path / "r.json"))["summary"] == {"tau": None, "x": [1.0, None]}
@@ -298,7 +300,7 @@ def test_per_prompt_table_columns_hold_their_own_values():
     """tau_t{T} is summary-only: the per-prompt table must not shift dds values under it."""
     from rich.console import Console
 
-    from dflash.report import print_report
+    from dflash.eval.report import print_report
 
     class Rep:
         def to_dict(self):
@@ -320,7 +322,7 @@ def test_eval_cli_keeps_the_runs_eval_keys_it_is_not_told_to_change():
     """`eval.real_decode_prompts=4` alone must not swap the run's HumanEval eval set for the
     default one (it did: a named eval key dropped the whole restored group)."""
     from dflash.config import EvalConfig, RunConfig
-    from dflash.eval_cli import _restore_group
+    from dflash.eval.cli import _restore_group
 
     rc = RunConfig(eval=EvalConfig(real_decode_prompts=4))
     saved = {"source": "humaneval", "num_prompts": 164, "completion_len": 256, "gone_key": 1}

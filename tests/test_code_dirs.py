@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.corpora import code_corpus, stdlib_corpus, stdlib_prompts
+from dflash.data.corpora import code_corpus, stdlib_corpus, stdlib_prompts
 
 MOD = '''
 def area(r):
@@ -40,7 +40,7 @@ def test_code_dirs_names_a_missing_directory(tmp_path, monkeypatch):
 def test_code_corpus_reads_only_as_many_files_as_it_needs(tmp_path, monkeypatch):
     """A site-packages has ~10^5 stubs: a run that needs a few thousand parses a seeded random
     share of the files, the same share for the same seed."""
-    import dflash.corpora as corpora
+    import dflash.data.corpora as corpora
 
     for i in range(600):
         (tmp_path / f"m{i:03d}.py").write_text(MOD.replace("area", f"area{i}"))

@@ -8,11 +8,11 @@ import pytest
 import torch
 from conftest import make_drafter
 
-from dflash.batch import Sample, collate, target_forward
-from dflash.build import static_length
 from dflash.config import RunConfig, TrainConfig
-from dflash.shape import Heads
-from dflash.trainer import DrafterTrainer
+from dflash.data.batch import Sample, collate, target_forward
+from dflash.target.shape import Heads
+from dflash.train.build import static_length
+from dflash.train.step import DrafterTrainer
 
 
 def _samples(target, lengths, P=5, seed=0):

@@ -4,7 +4,8 @@ import os
 
 from conftest import ROOT
 
-from dflash.tools.config_docs import render, rows
+from dflash.config.docs import rows
+from dflash.tools.config_docs import render
 
 
 def test_every_field_has_a_description():
@@ -23,7 +24,7 @@ def test_configuration_md_is_current():
 
 
 def test_help_lists_groups_options_and_keys_with_descriptions():
-    from dflash.help import render_help
+    from dflash.run.help import render_help
 
     text = render_help()
     assert "schema" not in text

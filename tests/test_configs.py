@@ -10,8 +10,8 @@ import torch
 from conftest import CONF, ROOT
 from hydra import compose, initialize_config_dir
 
-from dflash.cli import setup, typed
 from dflash.config import DrafterConfig
+from dflash.run.cli import setup, typed
 
 setup()
 EXPS = sorted(
@@ -38,7 +38,7 @@ def _compose(overrides):
 
 @pytest.mark.parametrize("exp", EXPS)
 def test_every_experiment_composes_and_builds(exp, tmp_path):
-    from dflash.build import build_drafter, build_target
+    from dflash.train.build import build_drafter, build_target
 
     cfg = _compose([f"+exp={exp}"])
     assert cfg.exp_name == exp
@@ -50,7 +50,7 @@ def test_every_experiment_composes_and_builds(exp, tmp_path):
 
 
 def test_v5_recipe_on_tiny_target(tmp_path):
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     rc = typed(
         _compose(
@@ -71,7 +71,7 @@ def test_v5_recipe_on_tiny_target(tmp_path):
 
 
 def test_v5_aux_layers_for_64_layer_target():
-    from dflash.target import default_layer_ids
+    from dflash.target.shape import default_layer_ids
 
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
 
@@ -176,14 +176,14 @@ def test_soft_loss_when_explicit():
     ],
 )
 def test_aux_layer_guardrails(ids, match):
-    from dflash.target import check_layer_ids
+    from dflash.target.shape import check_layer_ids
 
     with pytest.raises(ValueError, match=match):
         check_layer_ids(ids, 8)
 
 
 def test_final_layer_refused_when_building(tmp_path):
-    from dflash.build import build_target
+    from dflash.train.build import build_target
 
     rc = typed(_compose(TINY + ["drafter.target_layer_ids=[1,4,7]", f"out_root={tmp_path}"]))
     with pytest.raises(ValueError, match="final layer"):
@@ -191,8 +191,8 @@ def test_final_layer_refused_when_building(tmp_path):
 
 
 def test_mask_token_and_hidden_guardrails():
-    from dflash.shape import TargetShape
-    from dflash.spec import resolve_spec
+    from dflash.drafter.spec import resolve_spec
+    from dflash.target.shape import TargetShape
 
     def shape(mask_token_id):
         return TargetShape(8, 128, 512, 256, 4, 2, torch.float32, mask_token_id, (1,))
@@ -201,7 +201,7 @@ def test_mask_token_and_hidden_guardrails():
         resolve_spec(DrafterConfig(target_layer_ids=[1]), shape(mask_token_id=512))
     with pytest.raises(ValueError, match="hidden size"):
         resolve_spec(DrafterConfig(target_layer_ids=[1], hidden_size=64), shape(511))
-    from dflash.target import resolve_mask_token_id
+    from dflash.target.capture import resolve_mask_token_id
 
     class Tok:
         mask_token_id = None
@@ -214,8 +214,8 @@ def test_fp16_refused(tiny_qwen):
     from conftest import make_drafter
 
     from dflash.config import TrainConfig
-    from dflash.shape import Heads
-    from dflash.trainer import DrafterTrainer
+    from dflash.target.shape import Heads
+    from dflash.train.step import DrafterTrainer
 
     with pytest.raises(ValueError, match="float16 overflows"):
         DrafterTrainer(

@@ -3,7 +3,7 @@ hidden only when dflash chose the torch backend itself, and never against the us
 
 import logging
 
-from dflash.linear_attn import linear_attn_summary, quiet_fallback_warnings
+from dflash.target.linear_attn import linear_attn_summary, quiet_fallback_warnings
 
 HUB = "transformers.integrations.hub_kernels"
 

@@ -14,10 +14,9 @@ import pytest
 import torch
 from conftest import get_target
 
-from dflash.batch import Sample, collate, target_forward
-from dflash.blocks import block_attention_mask, candidate_anchors, sample_anchors
 from dflash.config import DataConfig, TargetConfig
-from dflash.corpora import (
+from dflash.data.batch import Sample, collate, target_forward
+from dflash.data.corpora import (
     check_training_source,
     completion_prompt,
     humaneval_prompts,
@@ -25,16 +24,10 @@ from dflash.corpora import (
     stdlib_files,
     stdlib_prompts,
 )
-from dflash.data import (
-    build_samples,
-    dataset_path,
-    drop_long_prompts,
-    encode_prompts,
-    generate_greedy,
-    load_or_build_dataset,
-    random_prompts,
-)
-from dflash.shards import ResponseShards
+from dflash.data.dataset import build_samples, dataset_path, generate_greedy, load_or_build_dataset
+from dflash.data.prompts import drop_long_prompts, encode_prompts, random_prompts
+from dflash.data.shards import ResponseShards
+from dflash.drafter.blocks import block_attention_mask, candidate_anchors, sample_anchors
 
 # ----------------------------------------------------------------------------- stdlib corpus
 STDLIB_PART = os.path.join(sysconfig.get_paths()["stdlib"], "email")  # a quick-to-parse slice
@@ -161,7 +154,7 @@ def test_chat_template_applied_explicitly():
 def test_batched_encoding_equals_one_prompt_at_a_time():
     """encode_prompts tokenizes 1,024 prompts a call: the ids equal the tokenizer's own
     one-conversation apply_chat_template (and plain call) for every prompt, across chunks."""
-    from dflash.tokenizer import byte_tokenizer
+    from dflash.target.tokenizer import byte_tokenizer
 
     tok = byte_tokenizer(300)
     rng = random.Random(0)
@@ -216,7 +209,7 @@ def test_empty_dataset_is_refused():
 
 
 def test_text_source_without_tokenizer_is_refused(tmp_path, tiny_llama):
-    from dflash.target import Target
+    from dflash.target.capture import Target
 
     tc = TargetConfig(name="tiny_llama")
     bare = Target(tiny_llama.model, tiny_llama.layer_ids, tokenizer=None)
@@ -296,7 +289,7 @@ def test_regen_time_limit_keeps_a_random_subset_of_whole_batches(tmp_path, tiny_
     """data.regen_time_limit_min: no batch starts past the limit; the prompts reached are whole
     batches in a seeded random order (not the shortest prompts), their responses are those of
     a run without a limit, and the dataset says how many were not reached."""
-    import dflash.data as data_mod
+    import dflash.data.dataset as data_mod
 
     g = torch.Generator().manual_seed(3)
     lens = torch.randint(2, 9, (24,), generator=g).tolist()
@@ -439,7 +432,7 @@ def test_regen_tool_writes_the_training_cache(tmp_path, capsys):
     rows = [json.loads(line) for line in open(tmp_path / "s.jsonl")]
     assert len(rows) == 5 and len(rows[0]["response_ids"]) == 4
     # a training run with the same settings and data.cache_dir finds it
-    from dflash.target import target_config_from_yaml
+    from dflash.target.load import target_config_from_yaml
 
     dc = DataConfig(
         source="selfgen",
@@ -475,7 +468,7 @@ def test_regen_tool_writes_the_training_cache(tmp_path, capsys):
 
 
 def test_jsonl_prompts_and_empty_files(tmp_path):
-    from dflash.data import text_prompts
+    from dflash.data.files import text_prompts
 
     good = tmp_path / "p.jsonl"
     good.write_text(
@@ -502,8 +495,8 @@ def test_eval_prompts_are_held_out_from_training(tmp_path):
     import json as _json
 
     from dflash.config import DataConfig, EvalConfig, RunConfig, TargetConfig
-    from dflash.data import text_prompts
-    from dflash.evaluation import heldout_text_prompts
+    from dflash.data.files import text_prompts
+    from dflash.eval.sets import heldout_text_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text("".join(_json.dumps({"prompt": f"q{i}"}) + "\n" for i in range(20)))

@@ -6,12 +6,8 @@ import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 
-from dflash.ddtree import (  # noqa: E402
-    build_ddtree,
-    ddtree_accept,
-    ddtree_accept_many,
-    ddtree_accept_topk,
-)
+from dflash.decoding.ddtree import build_ddtree  # noqa: E402
+from dflash.eval.ddtree import ddtree_accept, ddtree_accept_many, ddtree_accept_topk  # noqa: E402
 
 # ---------------------------------------------------------------------------------------
 # brute-force references

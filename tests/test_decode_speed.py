@@ -1,4 +1,4 @@
-"""eval.real_decode_prompts, greedy part (dflash.decode_speed): real AR / chain / DDTree decoding
+"""eval.real_decode_prompts, greedy part (dflash.eval.speed): real AR / chain / DDTree decoding
 of the cached eval prompts, timed, checked token for token against AR, real tau beside the
 offline tau."""
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 from conftest import get_target, make_drafter
 
-import dflash.decode_speed as decode_speed
+import dflash.eval.speed as decode_speed
 from dflash.config import EvalConfig
-from dflash.decode_eval import decode_report
 from dflash.decoding import generate_ar
-from dflash.evaluation import consistent_greedy
-from dflash.testing import OracleDrafter
+from dflash.eval.decode import decode_report
+from dflash.eval.sets import consistent_greedy
+from dflash.tools.testing import OracleDrafter
 
 torch.set_num_threads(1)
 
@@ -92,7 +92,7 @@ def test_table_and_summary_split():
     """The greedy figures print as one table (method rows); the summary table keeps the rest."""
     from rich.console import Console
 
-    from dflash.report import print_report
+    from dflash.eval.report import print_report
 
     s = {
         "tau": 2.0,

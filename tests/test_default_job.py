@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import ROOT, target_cfg
 
-from dflash.data import generate_greedy, random_prompts
-from dflash.target import load_target
+from dflash.data.dataset import generate_greedy
+from dflash.data.prompts import random_prompts
+from dflash.target.load import load_target
 
 
 def test_lm_head_scale_changes_logit_spread_not_greedy_text():

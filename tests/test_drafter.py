@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import make_drafter
 
-from dflash.blocks import block_attention_mask, build_blocks, candidate_anchors, mask_rules
-from dflash.drafter import DFlashDrafter
-from dflash.shape import TargetShape
+from dflash.drafter.blocks import block_attention_mask, build_blocks, candidate_anchors, mask_rules
+from dflash.drafter.model import DFlashDrafter
+from dflash.target.shape import TargetShape
 
 torch.manual_seed(0)
 

@@ -8,15 +8,15 @@ import pytest
 import torch
 from conftest import CONF
 
-from dflash.batch import TargetBatch
 from dflash.config import TrainConfig
-from dflash.trainer import DrafterTrainer, Heads
+from dflash.data.batch import TargetBatch
+from dflash.train.step import DrafterTrainer, Heads
 
 
 def _compose(tmp_path, over):
     from hydra import compose, initialize_config_dir
 
-    from dflash.cli import setup, typed
+    from dflash.run.cli import setup, typed
 
     setup()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -26,7 +26,7 @@ def _compose(tmp_path, over):
 def test_one_token_responses_train_and_are_counted(tmp_path):
     """Every sample has a one-token response (prompt of max_length-1 tokens): no anchor, no
     label. With micro_batch_size=1 each micro-batch is empty; training runs on and logs them."""
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     cfg = _compose(
         tmp_path,
@@ -139,7 +139,7 @@ def _jsonl(path, prompts):
 
 
 def test_eval_paths_overlapping_training_prompts_are_refused(tmp_path):
-    from dflash.evaluation import heldout_text_prompts
+    from dflash.eval.sets import heldout_text_prompts
 
     train = _jsonl(tmp_path / "train.jsonl", [f"train prompt {i}" for i in range(10)])
     held = _jsonl(tmp_path / "held.jsonl", [f"held prompt {i}" for i in range(10)])
@@ -155,7 +155,7 @@ def test_eval_paths_overlapping_training_prompts_are_refused(tmp_path):
 def test_published_drafter_eval_prompts_need_no_training_size(tmp_path):
     """The README's command for a published drafter (`data=jsonl data.paths=[...]`, jsonl.yaml's
     num_samples=800000): the rows are the eval prompts, not 'training rows' to skip."""
-    from dflash.evaluation import heldout_text_prompts
+    from dflash.eval.sets import heldout_text_prompts
 
     rows = _jsonl(tmp_path / "prompts.jsonl", [f"p{i}" for i in range(6)])
     cfg = _compose(tmp_path, ["data=jsonl", f"data.paths=[{rows}]", "eval.num_prompts=4"])
@@ -168,8 +168,8 @@ def test_published_drafter_eval_prompts_need_no_training_size(tmp_path):
 def test_eval_cli_treats_a_checkpoint_without_run_config_as_published(tmp_path, monkeypatch):
     from test_drafter import _drafter
 
-    import dflash.eval_cli as ec
-    from dflash.checkpoint import save_drafter
+    import dflash.eval.cli as ec
+    from dflash.drafter.checkpoint import save_drafter
 
     save_drafter(str(tmp_path / "pub"), _drafter())
     seen = {}
@@ -192,7 +192,7 @@ def test_eval_cli_treats_a_checkpoint_without_run_config_as_published(tmp_path, 
 def test_resume_restores_only_this_devices_cuda_rng(monkeypatch):
     """An 8-GPU checkpoint resumed with 2 visible GPUs: this rank's device gets its own state,
     devices that do not exist are not touched (the saved list no longer raises IndexError)."""
-    import dflash.checkpoint as ck
+    import dflash.train.resume as ck
 
     calls = []
 
@@ -220,7 +220,7 @@ def test_resume_restores_only_this_devices_cuda_rng(monkeypatch):
 def test_interrupted_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     from test_drafter import _drafter
 
-    import dflash.checkpoint as ck
+    import dflash.train.resume as ck
 
     d = _drafter()
     prev = ck.save_checkpoint(str(tmp_path), 2, d, {"x": 1})

@@ -4,7 +4,7 @@ bit-identical afterwards."""
 import torch
 from conftest import make_drafter
 
-from dflash.evaluation import rounded_to
+from dflash.eval.offline import rounded_to
 
 
 def test_rounded_to_evaluates_export_weights_and_restores_master(tiny_qwen):

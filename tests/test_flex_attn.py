@@ -5,8 +5,8 @@ import pytest
 import torch
 from test_drafter import _drafter, _reference, _row
 
-from dflash.blocks import build_blocks, candidate_anchors, mask_rules, sample_anchors
-from dflash.flex_attn import block_mask_from_dense, resolve_kernel, to_kernel_masks
+from dflash.drafter.attention import block_mask_from_dense, resolve_kernel, to_kernel_masks
+from dflash.drafter.blocks import build_blocks, candidate_anchors, mask_rules, sample_anchors
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

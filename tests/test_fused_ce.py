@@ -2,8 +2,8 @@
 
 import torch
 
-from dflash.fused_ce import fused_weighted_ce_sum
-from dflash.loss import weighted_ce_sum
+from dflash.train.fused_ce import fused_weighted_ce_sum
+from dflash.train.losses import weighted_ce_sum
 
 
 def test_fused_ce_matches_plain_value_and_gradient():
@@ -59,7 +59,7 @@ def test_fused_ce_applies_and_differentiates_the_logit_transform():
 
 def test_chunks_are_never_one_row_long():
     """A 1-row chunk would make the compiled CE stats recompile mid-run (0/1 specialization)."""
-    from dflash.fused_ce import chunk_bounds
+    from dflash.train.fused_ce import chunk_bounds
 
     for chunk in (3, 4, 8, 4096):
         for M in range(2, 3 * chunk + 2 if chunk < 100 else 2):

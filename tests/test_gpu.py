@@ -26,7 +26,7 @@ def require_fla():
 
 @pytest.fixture(scope="module")
 def qwen_cuda_fp32():
-    from dflash.target import load_target
+    from dflash.target.load import load_target
 
     over = MECHANISM_OVERRIDES["tiny_qwen3_5"]
     return load_target(
@@ -41,7 +41,7 @@ def test_backend_is_fla_on_cuda(qwen_cuda_fp32):
 
 def test_specdec_identical_to_greedy_on_fla(qwen_cuda_fp32):
     from dflash.decoding import generate_ar, generate_chain, generate_tree
-    from dflash.testing import OracleDrafter
+    from dflash.tools.testing import OracleDrafter
 
     t = qwen_cuda_fp32
     base = make_drafter(t, block_size=8).to("cuda")
@@ -114,9 +114,9 @@ def test_flex_kernel_matches_dense_on_cuda(dtype):
     the dtype's tolerance, the same argmax drafts, and matching gradients."""
     from test_flex_attn import _blocks
 
-    from dflash.blocks import candidate_anchors, sample_anchors
-    from dflash.flex_attn import to_kernel_masks
-    from dflash.shape import TargetShape
+    from dflash.drafter.attention import to_kernel_masks
+    from dflash.drafter.blocks import candidate_anchors, sample_anchors
+    from dflash.target.shape import TargetShape
 
     class T:
         layer_ids = [1, 3, 5]
@@ -161,8 +161,8 @@ def test_flex_kernel_matches_dense_on_cuda(dtype):
 
 def test_static_graph_decoder_equals_generate_on_cuda():
     """The CUDA-graph replayed static-cache decoder gives generate's greedy tokens (fp32)."""
-    from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
-    from dflash.target import load_target
+    from dflash.target.load import load_target
+    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
     g = torch.Generator().manual_seed(0)
@@ -178,8 +178,8 @@ def test_static_graph_decoder_compacts_on_cuda():
     """Compaction on the graph path (a graph captured per smaller batch) keeps generate's tokens."""
     from test_regen import _staggered
 
-    from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
-    from dflash.target import load_target
+    from dflash.target.load import load_target
+    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
     prompts, eos = _staggered(t, 2)
@@ -200,8 +200,8 @@ def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype, compiled):
     """The packed capture replayed from CUDA graphs (several buckets, each replayed with new
     contents) gives the eager one-sample-per-row aux states and labels; with
     target.compile_layers the graphs hold the compiled layers (the reference stays eager)."""
-    from dflash.batch import Sample, collate, target_forward
-    from dflash.target import load_target
+    from dflash.data.batch import Sample, collate, target_forward
+    from dflash.target.load import load_target
 
     cfg = target_cfg("tiny_llama", device="cuda", dtype=dtype, compile_layers=compiled)
     t = load_target(cfg, num_aux=3)
@@ -244,12 +244,12 @@ def test_colocated_step_never_waits_for_the_gpu(label_sampling):
     15-ms stream sync a step in the H200 profile of the Qwen2.5 loop)."""
     import math
 
-    from dflash.batch import Sample, collate, target_forward
-    from dflash.build import screen_batch
     from dflash.config import TrainConfig
-    from dflash.shape import Heads
-    from dflash.target import load_target
-    from dflash.trainer import DrafterTrainer
+    from dflash.data.batch import Sample, collate, target_forward
+    from dflash.target.load import load_target
+    from dflash.target.shape import Heads
+    from dflash.train.build import screen_batch
+    from dflash.train.step import DrafterTrainer
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="bfloat16"), num_aux=3)
     cfg = TrainConfig(steps=10, max_anchors=16, label_sampling=label_sampling)
@@ -285,10 +285,10 @@ def test_colocated_step_never_waits_for_the_gpu(label_sampling):
 
 
 def test_fused_elementwise_chains_match_eager_on_cuda():
-    """dflash.fuse: the compiled RMSNorm / RoPE / SwiGLU chains give the eager drafter's output
+    """dflash.drafter.fuse: the compiled RMSNorm / RoPE / SwiGLU chains give the eager drafter's output
     and gradients (bf16 autocast, within bf16 rounding)."""
-    from dflash import fuse
-    from dflash.target import load_target
+    from dflash.drafter import fuse
+    from dflash.target.load import load_target
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
     d = make_drafter(t).cuda()
@@ -318,10 +318,10 @@ def test_fused_elementwise_chains_match_eager_on_cuda():
 def test_overlapped_capture_on_a_side_stream_gives_the_same_batches_on_cuda():
     """topology.overlap_capture: batches captured one step ahead on a side stream (CUDA graphs
     replayed there) equal the batches captured in step, step after step."""
-    from dflash.batch import Sample
-    from dflash.colocated import LocalBatchSource
     from dflash.config import RunConfig
-    from dflash.target import load_target
+    from dflash.data.batch import Sample
+    from dflash.target.load import load_target
+    from dflash.train.colocated import LocalBatchSource
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
     g = torch.Generator().manual_seed(0)
@@ -356,12 +356,12 @@ def test_colocated_source_never_waits_for_the_gpu(overlap, label_sampling):
     test_colocated_step_never_waits_for_the_gpu."""
     import math
 
-    from dflash.batch import Sample
-    from dflash.colocated import LocalBatchSource
     from dflash.config import RunConfig
-    from dflash.shape import Heads
-    from dflash.target import load_target
-    from dflash.trainer import DrafterTrainer
+    from dflash.data.batch import Sample
+    from dflash.target.load import load_target
+    from dflash.target.shape import Heads
+    from dflash.train.colocated import LocalBatchSource
+    from dflash.train.step import DrafterTrainer
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="bfloat16"), num_aux=3)
     g = torch.Generator().manual_seed(0)
@@ -396,11 +396,11 @@ def test_static_compiled_step_matches_eager_on_cuda():
 
     from torch._dynamo.utils import counters
 
-    from dflash.batch import Sample, collate, target_forward
     from dflash.config import TrainConfig
-    from dflash.shape import Heads
-    from dflash.target import load_target
-    from dflash.trainer import DrafterTrainer
+    from dflash.data.batch import Sample, collate, target_forward
+    from dflash.target.load import load_target
+    from dflash.target.shape import Heads
+    from dflash.train.step import DrafterTrainer
 
     torch._dynamo.reset()
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="bfloat16"), num_aux=3)

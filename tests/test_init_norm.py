@@ -21,8 +21,8 @@ def test_final_norm_gain_reads_either_parametrisation(name, zero_centred):
 def test_session_starts_the_drafter_norm_at_the_target_gain(tmp_path):
     from test_resume import typed
 
-    from dflash.build import build_target
-    from dflash.session import open_session
+    from dflash.train.build import build_target
+    from dflash.train.session import open_session
 
     cfg = typed(tmp_path, "drafter.init_norm_from_target=true", "target=tiny_llama")
     target = build_target(cfg)

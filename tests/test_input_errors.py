@@ -9,9 +9,10 @@ import pytest
 import torch
 from conftest import ROOT, make_drafter
 
-from dflash.checkpoint import STATE_FILE, load_checkpoint, save_checkpoint
+from dflash.common.layout import STATE_FILE
 from dflash.config import DataConfig
-from dflash.data import text_prompts
+from dflash.data.files import text_prompts
+from dflash.train.resume import load_checkpoint, save_checkpoint
 
 
 def _jsonl(tmp_path, text, name="p.jsonl"):

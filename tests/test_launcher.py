@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import ROOT, target_cfg
 
-from dflash.overrides import check_override
+from dflash.run.overrides import check_override
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1"}
 TINY_RUN = [
@@ -94,7 +94,7 @@ def test_bad_invocation_is_one_line_and_leaves_no_directory(tmp_path, args, matc
 
 
 def test_target_too_big_for_memory_or_needing_cuda_is_refused(monkeypatch):
-    import dflash.preflight as P
+    import dflash.run.preflight as P
 
     big = target_cfg("qwen3_6_27b_random")
     assert 20e9 < P.estimate_params(big.config) < 32e9  # the 27B shape
@@ -113,7 +113,7 @@ def test_safetensors_weights_are_counted_from_headers(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    import dflash.preflight as P
+    import dflash.run.preflight as P
 
     save_file(
         {"a": torch.zeros(3, 4, dtype=torch.bfloat16), "b": torch.zeros(5)},
@@ -177,7 +177,7 @@ def test_ctrl_c_saves_prints_resume_command_and_it_continues_in_place(tmp_path):
 
 def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
     from dflash.config import RunConfig
-    from dflash.eval_cli import eval_dir
+    from dflash.eval.cli import eval_dir
 
     ck = tmp_path / "smoke-1" / "checkpoints" / "step_00000300"
     ck.mkdir(parents=True)
@@ -199,7 +199,7 @@ def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
 
 
 def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys):
-    import dflash.preflight as P
+    import dflash.run.preflight as P
     from dflash.tools import parity
 
     monkeypatch.setattr(P.torch.cuda, "is_available", lambda: False)
@@ -225,7 +225,7 @@ def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys)
 )
 def test_distribution_choices_checked_before_loading(train, resume, match):
     from dflash.config import RunConfig, TrainConfig
-    from dflash.preflight import check_dist
+    from dflash.run.preflight import check_dist
 
     with pytest.raises(ValueError, match=match):
         check_dist(RunConfig(train=TrainConfig(**train), resume=resume))
@@ -233,7 +233,7 @@ def test_distribution_choices_checked_before_loading(train, resume, match):
 
 def test_missing_data_file_is_named_before_loading(tmp_path):
     from dflash.config import DataConfig, RunConfig
-    from dflash.preflight import check_files
+    from dflash.run.preflight import check_files
 
     cfg = RunConfig(data=DataConfig(source="jsonl", paths=[str(tmp_path / "nope.jsonl")]))
     with pytest.raises(FileNotFoundError, match="data.paths: .*nope.jsonl"):
@@ -242,7 +242,7 @@ def test_missing_data_file_is_named_before_loading(tmp_path):
 
 def test_missing_gguf_target_says_how_to_fetch_it(tmp_path):
     from dflash.config import RunConfig, TargetConfig
-    from dflash.preflight import check_files
+    from dflash.run.preflight import check_files
 
     gguf = TargetConfig(name="smollm2_135m", path=str(tmp_path / "smollm2"), gguf_file="S.gguf")
     with pytest.raises(FileNotFoundError, match=r"S.gguf: fetch it with .*fetch_models.sh"):

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
+from dflash.common.loggers import make_logger
 from dflash.config import LoggerConfig
-from dflash.loggers import make_logger
 
 
 def test_jsonl_and_console(tmp_path, capsys):
@@ -34,7 +34,7 @@ def test_wandb_offline_without_credentials(tmp_path, monkeypatch):
 
 def test_plot_from_metrics(tmp_path):
     pytest.importorskip("matplotlib")
-    from dflash.tools.plot import plot_run
+    from dflash.common.plot import plot_run
 
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for s in range(1, 5):
@@ -60,7 +60,7 @@ def test_plot_from_metrics(tmp_path):
 
 def test_compiled_graphs_counts_every_new_compile():
     """perf/compiled_graphs steps up in the interval that paid a (re)compile."""
-    from dflash.loop import _compiled
+    from dflash.train.loop import _compiled
 
     before = _compiled()["perf/compiled_graphs"]
     f = torch.compile(lambda x: x * 3 - 1, backend="eager", dynamic=False)

@@ -6,8 +6,8 @@ import math  # noqa: E402
 
 import pytest  # noqa: E402
 
-from dflash.ddtree import build_ddtree  # noqa: E402
-from dflash.metrics import (  # noqa: E402
+from dflash.decoding.ddtree import build_ddtree  # noqa: E402
+from dflash.eval.metrics import (  # noqa: E402
     evaluate_prompt,
     position_accuracy,
     position_hits,

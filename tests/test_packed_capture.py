@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import get_target
 
-from dflash.batch import Sample, collate, pack_for_capture, sample_spans, target_forward
-from dflash.capture_graphs import LEN_TO, ROWS_TO, CaptureGraphs, CompiledLayers
 from dflash.config import TargetConfig
-from dflash.packing import attends_only
-from dflash.target import load_target
+from dflash.data.batch import Sample, collate, pack_for_capture, sample_spans, target_forward
+from dflash.target.graphs import LEN_TO, ROWS_TO, CaptureGraphs, CompiledLayers
+from dflash.target.load import load_target
+from dflash.target.packing import attends_only
 
 LENGTHS = [40, 7, 23, 12, 40, 3, 31]
 
@@ -234,7 +234,7 @@ def test_pack_check_counts_near_ties_as_agreeing_in_bf16_only(capsys):
     layers) keep packing on; a clear difference, or any difference in fp32, turns it off."""
     from types import SimpleNamespace
 
-    from dflash.packing import packed_capture_agrees
+    from dflash.target.packing import packed_capture_agrees
 
     torch.manual_seed(0)
     N, T, H, V = 2, 50, 8, 16

@@ -16,7 +16,7 @@ def _micro(target, rank, world):
     """STEPS steps x 2 micro-batches of 4 samples; rank r takes its half of each micro-batch."""
     from test_training import _samples
 
-    from dflash.batch import collate, target_forward
+    from dflash.data.batch import collate, target_forward
 
     s = _samples(target, n=8 * STEPS)
     out = []
@@ -34,8 +34,8 @@ def _trainer(target, mode, stage, world, group, dtype="float32"):
     from conftest import make_drafter
 
     from dflash.config import TrainConfig
-    from dflash.shape import Heads
-    from dflash.trainer import DrafterTrainer
+    from dflash.target.shape import Heads
+    from dflash.train.step import DrafterTrainer
 
     cfg = TrainConfig(
         steps=10,

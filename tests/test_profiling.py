@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_resume import typed
 
-from dflash.profiling import StepProfiler, busy_union_us
+from dflash.common.profiling import StepProfiler, busy_union_us
 
 
 def test_busy_union_equals_brute_force_on_a_grid():
@@ -24,7 +24,7 @@ def test_busy_union_equals_brute_force_on_a_grid():
 
 
 def test_profile_at_writes_tables_trace_and_a_summary(tmp_path, capsys):
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     torch.set_num_threads(1)
     run_dir = tmp_path / "p"
@@ -43,7 +43,7 @@ def test_profile_at_writes_tables_trace_and_a_summary(tmp_path, capsys):
 
 
 def test_profile_window_cut_short_by_the_end_of_training_is_still_written(tmp_path, capsys):
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     torch.set_num_threads(1)
     cfg = typed(tmp_path, "train.steps=3", "train.profile_at=3", "train.profile_steps=5")
@@ -60,7 +60,7 @@ def test_negative_profile_at_is_refused():
 def test_phase_times_merges_the_host_and_gpu_entries_of_a_range():
     from types import SimpleNamespace as E
 
-    from dflash.profiling import phase_times
+    from dflash.common.profiling import phase_times
 
     avgs = [  # CUDA lists a range twice: its host span, then its span on the GPU timeline
         E(key="dflash.forward", cpu_time_total=6000.0, device_time_total=500.0),

@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from dflash.corpora import assets_dir, humaneval_path, humaneval_prompts, stdlib_prompts
-from dflash.data import encode_prompts, generate_greedy
-from dflash.target import load_target, target_config_from_yaml
+from dflash.data.corpora import assets_dir, humaneval_path, humaneval_prompts, stdlib_prompts
+from dflash.data.dataset import generate_greedy
+from dflash.data.prompts import encode_prompts
+from dflash.target.load import load_target, target_config_from_yaml
 
 pytestmark = pytest.mark.real_model
 
@@ -121,7 +122,7 @@ def test_qwen2_5_coder_mask_token_is_fim_pad():
 @needs_smol
 def test_gguf_converts_once_to_a_plain_directory(tmp_path):
     """The dequantized GGUF weights survive the conversion exactly, and a second call reuses it."""
-    from dflash.target import resolve_local_path
+    from dflash.target.load import resolve_local_path
 
     os.makedirs(tmp_path / "smollm2")
     os.symlink(SMOL_GGUF, tmp_path / "smollm2" / os.path.basename(SMOL_GGUF))

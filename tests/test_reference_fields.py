@@ -2,7 +2,7 @@
 it changes the reference's.
 
 Each case writes a checkpoint carrying the field (config.json + model.safetensors), loads it with
-`dflash.checkpoint.load_drafter`, and compares our logits -- through the training/eval block
+`dflash.drafter.checkpoint.load_drafter`, and compares our logits -- through the training/eval block
 machinery and through decoding's cached-context drafting -- with `_eager`, an independent
 per-anchor implementation written here from the fields' definitions (raw tensors, no dflash
 modules). Refusals: DFlash2 and unknown architectures never run as a plain drafter.
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from dflash.blocks import build_blocks, mask_rules
-from dflash.checkpoint import load_drafter, save_drafter
-from dflash.spec import DrafterSpec
+from dflash.drafter.blocks import build_blocks, mask_rules
+from dflash.drafter.checkpoint import load_drafter, save_drafter
+from dflash.drafter.spec import DrafterSpec
 
 H, NH, NKV, D, I, V, MASK = 32, 4, 2, 8, 48, 64, 63
 T_LEN = 20
@@ -355,9 +355,9 @@ def test_fields_survive_export_and_reload(tmp_path):
 def test_training_loss_uses_the_fields(tmp_path):
     """The trainer's chunked CE sees the same logits (embedding scale, rope, masks, multiplier,
     softcapping) as the eager reference."""
-    from dflash.batch import TargetBatch
     from dflash.config import TrainConfig
-    from dflash.trainer import DrafterTrainer, Heads
+    from dflash.data.batch import TargetBatch
+    from dflash.train.step import DrafterTrainer, Heads
 
     cfg, t, drafter, embed_W, lm_W, ids, aux = _setup(tmp_path, CASES["all_at_once"])
     heads = Heads(torch.nn.Embedding.from_pretrained(embed_W), torch.nn.Linear(H, V, bias=False))
@@ -435,7 +435,7 @@ def test_unsupported_configs_are_refused(over, match, tmp_path):
 
 
 def test_mask_rule_is_one_function():
-    from dflash.spec import MaskRule, attention_rule
+    from dflash.drafter.spec import MaskRule, attention_rule
 
     spec = DrafterSpec.from_hf_config(_base_cfg())
     assert attention_rule(spec, "sliding_attention") == MaskRule(True, 6, False)

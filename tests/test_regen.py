@@ -4,10 +4,16 @@ graph path is in the GPU tier), and datasets/partials round-trip through the sha
 import pytest
 import torch
 
-import dflash.regen as regen
-from dflash.batch import Sample
-from dflash.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad, supports_static
-from dflash.shards import ResponseShards, pack_samples, unpack_samples
+import dflash.target.regen as regen
+from dflash.data.batch import Sample
+from dflash.data.shards import ResponseShards, pack_samples, unpack_samples
+from dflash.target.regen import (
+    StaticGreedyDecoder,
+    cut_at_eos,
+    hf_greedy_batch,
+    left_pad,
+    supports_static,
+)
 
 
 def _prompts(n, seed=0):

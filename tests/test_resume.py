@@ -6,8 +6,8 @@ import os
 import pytest
 from conftest import CONF, make_drafter
 
-from dflash.build import write_run_config
-from dflash.checkpoint import save_checkpoint
+from dflash.common.layout import write_run_config
+from dflash.train.resume import save_checkpoint
 
 FAST = [
     "train.save_every=3",
@@ -26,7 +26,7 @@ def compose(out_root, *over):
     from hydra import compose as hcompose
     from hydra import initialize_config_dir
 
-    from dflash.cli import setup
+    from dflash.run.cli import setup
 
     setup()
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -34,7 +34,7 @@ def compose(out_root, *over):
 
 
 def typed(out_root, *over):
-    from dflash.cli import typed as to_typed
+    from dflash.run.cli import typed as to_typed
 
     return to_typed(compose(out_root, *over))
 
@@ -50,7 +50,7 @@ def fake_run(tiny_qwen, run_dir, step, *over, out_root=None):
 def test_resume_true_picks_exactly_this_experiment(tiny_qwen, tmp_path):
     """exp_name=a resumes a run of experiment `a`, never a newer `a-lr3-*` run whose directory
     merely starts with `a-` (a name prefix is not an experiment)."""
-    from dflash.rundir import plan_run
+    from dflash.run.plan import plan_run
 
     fake_run(tiny_qwen, tmp_path / "a-20260101", 2, "exp_name=a", "train.steps=10")
     fake_run(tiny_qwen, tmp_path / "a-lr3-20270101", 5, "exp_name=a-lr3", "train.steps=10")  # newer
@@ -73,8 +73,8 @@ def test_resume_true_picks_exactly_this_experiment(tiny_qwen, tmp_path):
 def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_path, capsys):
     """resume=true run_name=r continues run r in <out_root>/r: the data cache there is read (not
     regenerated), metrics.jsonl continues with no row twice, nothing else is written."""
-    from dflash.colocated import run_colocated
-    from dflash.launch import launch
+    from dflash.run.launcher import launch
+    from dflash.train.colocated import run_colocated
 
     run_dir = tmp_path / "r"
     # an interrupted run: checkpoint at step 3, metric rows logged up to step 4
@@ -100,7 +100,7 @@ def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_pat
 
 def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, tmp_path):
     """The newest run of this experiment is continued in its own dir; no new dir is made."""
-    from dflash import launch as launch_mod
+    import dflash.run.launcher as launch_mod
 
     fake_run(tiny_qwen, tmp_path / "e-1", 2, "exp_name=e", "train.steps=9")
     got = {}
@@ -123,7 +123,7 @@ def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, t
     [("data.num_samples", "16"), ("drafter.block_size", "4"), ("train.max_anchors", "7")],
 )
 def test_resume_refuses_a_change_of_data_or_model(tiny_qwen, tmp_path, capsys, key, new):
-    from dflash.launch import launch
+    from dflash.run.launcher import launch
 
     fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.steps=10")
     cfg = compose(tmp_path, "run_name=r", "train.steps=10", "resume=true", f"{key}={new}")
@@ -136,7 +136,7 @@ def test_resume_refuses_a_change_of_data_or_model(tiny_qwen, tmp_path, capsys, k
 
 
 def test_resume_allows_logging_and_eval_changes(tiny_qwen, tmp_path):
-    from dflash.rundir import plan_run
+    from dflash.run.plan import plan_run
 
     fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.steps=10")
     cfg = typed(tmp_path, "run_name=r", "train.steps=10", "resume=true", "train.eval_every=7")
@@ -145,7 +145,7 @@ def test_resume_allows_logging_and_eval_changes(tiny_qwen, tmp_path):
 
 
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(tiny_qwen, tmp_path, capsys):
-    from dflash.launch import launch
+    from dflash.run.launcher import launch
 
     fake_run(tiny_qwen, tmp_path / "f-1", 10, "exp_name=f", "train.steps=10")
     before = sorted(os.walk(tmp_path))
@@ -161,7 +161,7 @@ def test_resume_of_a_finished_run_says_so_and_writes_nothing(tiny_qwen, tmp_path
 
 
 def test_new_run_into_a_dir_with_checkpoints_is_refused(tiny_qwen, tmp_path):
-    from dflash.rundir import plan_run
+    from dflash.run.plan import plan_run
 
     fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r")
     with pytest.raises(ValueError, match="resume=true"):
@@ -171,7 +171,7 @@ def test_new_run_into_a_dir_with_checkpoints_is_refused(tiny_qwen, tmp_path):
 def test_resume_of_a_run_dir_restores_the_overrides_it_started_with(tmp_path):
     """`train.py resume=RUN_DIR` alone composes the run's own config: the overrides saved in
     RUN_DIR/resume_command come first, and a key given again on the command line wins."""
-    from dflash.rundir import RESUME_FILE, with_run_overrides
+    from dflash.run.plan import RESUME_FILE, with_run_overrides
 
     run = tmp_path / "out" / "main"
     (run / "checkpoints" / "step_00000010").mkdir(parents=True)

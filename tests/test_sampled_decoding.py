@@ -10,8 +10,8 @@ import torch
 from conftest import get_target, make_drafter
 
 from dflash.decoding import Sampling, generate_ar, generate_chain, sample_ar, sample_chain
-from dflash.sampling import warp
-from dflash.testing import OracleDrafter
+from dflash.decoding.rejection import warp
+from dflash.tools.testing import OracleDrafter
 
 torch.set_num_threads(1)
 
@@ -193,8 +193,8 @@ def test_eval_reports_real_decoding_beside_offline():
     """eval.real_decode_prompts: real sampled decoding's tau next to the offline expected tau_t on
     the same prompts; at T=0 the two are the same number (the offline walk is exact there)."""
     from dflash.config import EvalConfig
-    from dflash.decode_eval import decode_report
-    from dflash.evaluation import consistent_greedy
+    from dflash.eval.decode import decode_report
+    from dflash.eval.sets import consistent_greedy
 
     target = get_target("tiny_llama")
     prompt = _prompt(8)

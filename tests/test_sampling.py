@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import make_drafter
 
-from dflash.sampling import expected_accept_length, rejection_sample_block, warp
+from dflash.decoding.rejection import expected_accept_length, rejection_sample_block, warp
 
 
 def test_warp_hand_computed():
@@ -90,9 +90,10 @@ def test_eval_tau_t_matches_brute_force(tiny_qwen):
     the training-path drafter forward, per anchor."""
     from test_drafter import _forward
 
-    from dflash.evaluation import consistent_greedy, evaluate
-    from dflash.sampling import overlap
-    from dflash.trainer import Heads
+    from dflash.decoding.rejection import overlap
+    from dflash.eval.offline import evaluate
+    from dflash.eval.sets import consistent_greedy
+    from dflash.train.step import Heads
 
     d = make_drafter(tiny_qwen, block_size=4)
     heads = Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head)
@@ -106,7 +107,7 @@ def test_eval_tau_t_matches_brute_force(tiny_qwen):
     _, summary = evaluate(d, heads, [item], [], temperatures=temps, top_p=0.9, top_k=50)
     assert summary["tau_t0"] == summary["tau"]
 
-    from dflash.metrics import walk_chain
+    from dflash.eval.metrics import walk_chain
 
     P, L = len(prompt), item.completion_ids.numel()
     ids = torch.cat([item.prompt_ids, item.completion_ids])[None]
@@ -143,8 +144,8 @@ def test_in_loop_eval_reports_tau_per_temperature(tmp_path):
     from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from dflash.cli import setup, typed
-    from dflash.colocated import run_colocated
+    from dflash.run.cli import setup, typed
+    from dflash.train.colocated import run_colocated
 
     setup()
     over = [

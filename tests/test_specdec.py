@@ -8,11 +8,12 @@ import torch
 from conftest import get_target, make_drafter
 
 from dflash.decoding import generate_ar, generate_chain, generate_tree, new_cache
-from dflash.decoding.cache import crop_attention, restore_linear_state, snapshot_linear_state
-from dflash.evaluation import consistent_greedy, draft_all_anchors, evaluate
-from dflash.metrics import summarize
-from dflash.shape import Heads
-from dflash.testing import CropRollback, OracleDrafter
+from dflash.eval.metrics import summarize
+from dflash.eval.offline import draft_all_anchors, evaluate
+from dflash.eval.sets import consistent_greedy
+from dflash.target.cache import crop_attention, restore_linear_state, snapshot_linear_state
+from dflash.target.shape import Heads
+from dflash.tools.testing import CropRollback, OracleDrafter
 
 torch.set_num_threads(1)
 
@@ -103,7 +104,7 @@ def test_eos_stops_like_greedy(name):
 
 @pytest.mark.parametrize("name", TARGETS)
 def test_offline_tau_equals_real_decoding(name):
-    """dflash.evaluation (one batched drafter pass over all anchors, rounds walked offline) and
+    """dflash.eval.offline (one batched drafter pass over all anchors, rounds walked offline) and
     real decoding (incremental drafter context, target verifying on its cache) agree exactly:
     same drafted tokens at every visited anchor, same accepted count per round, same tau; also
     for DDTree (offline walk_ddtree vs generate_tree) at two budgets.
@@ -259,10 +260,10 @@ def test_tree_verify_equals_sequential(name):
     node's aux features (attention target: one forward with the ancestor-only mask and depth
     positions; hybrid: the batch of root-to-leaf chains) equal those of a sequential forward of
     its path, and after commit the cache equals a fresh prefill of prompt + accepted path."""
-    from dflash.ddtree import build_ddtree
-    from dflash.decoding.cache import expand_cache, gather_attention, is_hybrid_cache
+    from dflash.decoding.ddtree import build_ddtree
     from dflash.decoding.steps import TargetRunner
     from dflash.decoding.tree import root_to_leaf_paths, tree_forward
+    from dflash.target.cache import expand_cache, gather_attention, is_hybrid_cache
 
     target = get_target(name)
     run = TargetRunner(target)

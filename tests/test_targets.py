@@ -11,13 +11,14 @@ import pytest
 import torch
 from conftest import ROOT, get_target
 
-from dflash.linear_attn import (
+from dflash.target.capture import resolve_mask_token_id
+from dflash.target.linear_attn import (
     check_bound_backend,
     linear_attn_kind,
     linear_attn_report,
     select_linear_attn_backend,
 )
-from dflash.target import load_conf, resolve_mask_token_id, target_config_from_yaml
+from dflash.target.load import load_conf, target_config_from_yaml
 
 CPU = torch.device("cpu")
 
@@ -133,7 +134,7 @@ def test_report_reads_fla_binding_and_refuses_a_late_switch(tmp_path):
         """
         import json, torch
         import transformers.models.qwen3_5.modeling_qwen3_5 as m
-        from dflash.linear_attn import linear_attn_report, linear_attn_kind, select_linear_attn_backend
+        from dflash.target.linear_attn import linear_attn_report, linear_attn_kind, select_linear_attn_backend
         r = linear_attn_report()
         try:
             select_linear_attn_backend("torch", torch.device("cpu"))
@@ -162,7 +163,7 @@ def test_torch_selection_hides_an_already_imported_fla(tmp_path):
         """
         import json, sys, torch
         import fla
-        from dflash.linear_attn import linear_attn_report, linear_attn_kind
+        from dflash.target.linear_attn import linear_attn_report, linear_attn_kind
         from dflash.target import load_target, target_config_from_yaml
         t = load_target(target_config_from_yaml("tiny_qwen3_5", linear_attn_backend="torch"), num_aux=1)
         x = t.capture(torch.randint(0, 512, (1, 12)))  # the fake kernels would raise
@@ -232,7 +233,7 @@ def test_every_target_yaml_loads_without_hydra(monkeypatch):
     assert target_config_from_yaml("qwen2_5_coder_0_5b").mask_token_id == 151662
     with pytest.raises(FileNotFoundError, match="choose one of"):
         load_conf("target", "no_such_target")
-    from dflash.target import resolve_local_path
+    from dflash.target.load import resolve_local_path
 
     with pytest.raises(ValueError, match="target.path is not set"):
         resolve_local_path(target_config_from_yaml("qwen3_6_27b"))
@@ -241,7 +242,7 @@ def test_every_target_yaml_loads_without_hydra(monkeypatch):
 
 
 def test_env_resolution_without_omegaconf(monkeypatch):
-    from dflash.target import _resolve_env
+    from dflash.target.load import _resolve_env
 
     monkeypatch.delenv("DFLASH_ASSETS", raising=False)
     monkeypatch.setenv("HOME", "/h")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from dflash.tokenizer import byte_tokenizer, make_tokenizer
+from dflash.target.tokenizer import byte_tokenizer, make_tokenizer
 
 
 def test_byte_tokenizer_round_trips_utf8_and_reserves_the_last_id_for_the_mask():
@@ -45,7 +45,7 @@ def _cfg(tmp_path, target, source, extra=()):
     from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from dflash.cli import setup, typed
+    from dflash.run.cli import setup, typed
 
     setup()
     over = [
@@ -74,8 +74,8 @@ def _cfg(tmp_path, target, source, extra=()):
     [("tiny_qwen3_5", "jsonl"), ("tiny_llama", "stdlib"), ("tiny_qwen3_5", "selfgen")],
 )
 def test_every_data_source_trains_offline_on_a_tiny_target(tmp_path, target, source):
-    from dflash.colocated import run_colocated
-    from dflash.data import load_samples
+    from dflash.data.dataset import load_samples
+    from dflash.train.colocated import run_colocated
 
     extra = []
     if source == "jsonl":

@@ -9,11 +9,11 @@ import torch
 import torch.nn.functional as F
 from conftest import make_drafter
 
-from dflash.batch import Sample, add_input_noise, collate, target_forward
 from dflash.config import TrainConfig
-from dflash.loss import position_weights, weighted_ce_sum
-from dflash.shape import Heads
-from dflash.trainer import DrafterTrainer
+from dflash.data.batch import Sample, add_input_noise, collate, target_forward
+from dflash.target.shape import Heads
+from dflash.train.losses import position_weights, weighted_ce_sum
+from dflash.train.step import DrafterTrainer
 
 
 def _samples(target, n=4, L=20, P=6, seed=0):
@@ -119,7 +119,7 @@ def _run_cfg(tmp_path, steps, resume=None, **train):
     from conftest import CONF
     from hydra import compose, initialize_config_dir
 
-    from dflash.cli import setup, typed
+    from dflash.run.cli import setup, typed
 
     setup()
     over = [
@@ -147,7 +147,7 @@ def _run_cfg(tmp_path, steps, resume=None, **train):
 
 
 def test_resume_equals_uninterrupted(tmp_path):
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     full = _run_cfg(tmp_path, 6)
     run_colocated(full, str(tmp_path / "full"))
@@ -166,7 +166,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 
 def _master(step_dir) -> dict:
-    from dflash.checkpoint import STATE_FILE
+    from dflash.common.layout import STATE_FILE
 
     return torch.load(os.path.join(step_dir, STATE_FILE), weights_only=False)["drafter_fp32"]
 
@@ -175,8 +175,8 @@ def _master(step_dir) -> dict:
 def test_colocated_bad_sample_is_reported_at_the_log_step(tmp_path, monkeypatch, policy):
     """A non-finite aux state in the colocated loop (screened without a per-step sync): skip
     trains on and counts the sample in pipe/bad_samples; stop ends the run naming it."""
-    import dflash.build as build
-    from dflash.colocated import run_colocated
+    import dflash.train.build as build
+    from dflash.train.colocated import run_colocated
 
     real = build.target_forward
     calls = []
@@ -228,7 +228,7 @@ def test_labels_picked_on_the_host_select_what_the_boolean_mask_selects(tiny_qwe
 def test_sample_dropped_after_the_host_copy_weighs_nothing(tiny_qwen):
     """A deferred screen zeroes a bad sample's loss mask on the device after the host copy was
     taken: its labels get zero weight, the others keep theirs, and the step stays finite."""
-    from dflash.build import screen_batch
+    from dflash.train.build import screen_batch
 
     s = _samples(tiny_qwen, n=4)
     tb = target_forward(tiny_qwen, collate(s))
@@ -264,7 +264,7 @@ def test_interval_counts_sum_every_step_since_the_last_read(tiny_qwen):
 def test_overlapped_capture_trains_on_the_same_batches_and_resumes_exactly(tmp_path):
     """topology.overlap_capture captures each step's batches one step ahead (on a side CUDA
     stream on GPUs): the same weights as capturing in step, and a resume continues exactly."""
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     def cfg(resume=None, overlap=True):
         c = _run_cfg(tmp_path, 6, resume=resume)

@@ -57,7 +57,7 @@ def complete_records(path: str, timeout_s: float = 60.0) -> list:
 def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     from test_tiny_tokenizer import _cfg
 
-    from dflash.colocated import run_colocated
+    from dflash.train.colocated import run_colocated
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -118,19 +118,22 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
 
 def test_dashboard_spec_names_only_metrics_that_runs_log(tmp_path, capsys):
     """Every panel of docs/wandb_workspace.json plots a key a colocated run logs, or a pipe/*
-    key the split pipeline logs (dflash/split/)."""
+    key the split pipeline logs (dflash/train/split/)."""
     import os
     import re
 
     from conftest import ROOT
     from test_tiny_tokenizer import _cfg
 
-    from dflash.colocated import run_colocated
     from dflash.tools.wandb_workspace import load_spec, main
+    from dflash.train.colocated import run_colocated
 
     run_colocated(_cfg(tmp_path, "tiny_qwen3_5", "selfgen"), str(tmp_path / "run"))
     logged = {k for line in open(tmp_path / "run" / "metrics.jsonl") for k in json.loads(line)}
-    src = "".join(open(f).read() for f in glob.glob(os.path.join(ROOT, "dflash", "**", "*.py")))
+    src = "".join(
+        open(f).read()
+        for f in glob.glob(os.path.join(ROOT, "dflash", "**", "*.py"), recursive=True)
+    )
     logged |= set(re.findall(r'"(pipe/[a-z_]+)"', src))
     spec = load_spec()
     wanted = {y for sec in spec["sections"] for p in sec["panels"] for y in p["y"]}
@@ -143,8 +146,8 @@ def test_dashboard_spec_names_only_metrics_that_runs_log(tmp_path, capsys):
 
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     """The wandb id lives in the run dir: a second logger there (a resume) reuses it."""
+    from dflash.common.loggers import WandbLogger
     from dflash.config import LoggerConfig
-    from dflash.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -8,14 +8,15 @@ import pytest
 import torch
 from conftest import get_target
 
-from dflash.warmstart import copy_target_layers, norm_gain
+from dflash.drafter.warmstart import copy_target_layers
+from dflash.target.capture import norm_gain
 
 
 def _session(tmp_path, *over):
     from test_resume import typed
 
-    from dflash.build import build_target
-    from dflash.session import open_session
+    from dflash.train.build import build_target
+    from dflash.train.session import open_session
 
     cfg = typed(tmp_path, "target=tiny_llama", *over)
     target = build_target(cfg)

@@ -18,7 +18,7 @@ Three decoders over the same HF target, all returning a `DecodeResult`:
   at the first miss (or after the last draft), and the target cache is rolled back to the
   accepted length.
 - `generate_tree`: DDTree. The best-`budget` tree of the drafter's per-position log-probs
-  (`dflash.ddtree.build_ddtree`) is verified in one forward with depth-based positions and an
+  (`dflash.decoding.ddtree.build_ddtree`) is verified in one forward with depth-based positions and an
   ancestor-only 4D mask; the longest path matching the target's argmax is accepted and the
   attention cache is gathered to prefix + accepted path.
 
@@ -43,12 +43,12 @@ called, and even then it only rolls back the conv window, never the recurrent st
   tree forward) plus a batch copy of the attention K/V, plus one forward of accepted+1 tokens.
 
 The naive alternative, transformers' `activate_past_recording()` + `cache.crop(-n)`, rolls
-back the conv window but not the recurrent state; it lives in `dflash.testing.CropRollback`
+back the conv window but not the recurrent state; it lives in `dflash.tools.testing.CropRollback`
 only to show that it departs from greedy decoding on hybrid targets.
 
 End-of-generation convention: at most `max_new_tokens` tokens are produced; in the last round
 acceptance is capped at the number of tokens still needed (remaining = max_new_tokens -
-generated). This is the offline walk's convention (`dflash.metrics.walk_chain`: avail =
+generated). This is the offline walk's convention (`dflash.eval.metrics.walk_chain`: avail =
 min(D, L-1-i)), so a run with max_new_tokens = L visits the same rounds as the offline walk
 of an L-token completion.
 
@@ -64,7 +64,7 @@ Legend: P prompt length, B block size, D = B-1 drafted positions, b tree budget,
 
 from __future__ import annotations
 
-from .cache import is_hybrid_cache, new_cache
+from ..target.cache import is_hybrid_cache, new_cache
 from .chain import ExactRollback, generate_ar, generate_chain
 from .sampled import Sampling, sample_ar, sample_chain
 from .steps import DecodeResult

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .cache import (
+from ..target.cache import (
     cache_kw,
     crop_attention,
     is_hybrid_cache,

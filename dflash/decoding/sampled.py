@@ -1,7 +1,7 @@
 """Sampled decoding (temperature, top-p, top-k) as the reference's generation samples: the AR
 baseline and chain speculative decoding with rejection sampling on the drafted block.
 
-Target and drafter logits go through the same `dflash.sampling.warp`. Each round the D draft
+Target and drafter logits go through the same `dflash.decoding.rejection.warp`. Each round the D draft
 tokens are sampled from the drafter's warped q_1..q_D (all D from one drafter pass, as DFlash
 drafts), the block [bonus, drafts] is verified in one target forward giving p_0..p_D, and
 `rejection_sample_block` accepts a leading run of drafts and emits the next token (resampled
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import rejection_sample_block, warp
-from .cache import cache_kw, new_cache
+from ..target.cache import cache_kw, new_cache
 from .chain import ExactRollback
+from .rejection import rejection_sample_block, warp
 from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
 
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..blocks import block_attention_mask, mask_rules
-from .cache import cache_kw
+from ..drafter.blocks import block_attention_mask, mask_rules
+from ..target.cache import cache_kw
 
 
 @dataclass
@@ -139,8 +139,8 @@ class DrafterState:
         self.T += n
 
     def masks(self, start: int) -> dict:
-        """Per layer type bool [1, 1, B, start + B]: the training/eval rule of dflash.blocks
-        (`dflash.spec.attention_rule`: context < anchor, then the layer's MaskRule)."""
+        """Per layer type bool [1, 1, B, start + B]: the training/eval rule of dflash.drafter.blocks
+        (`dflash.drafter.spec.attention_rule`: context < anchor, then the layer's MaskRule)."""
         spec, dev = self.spec, self.device
         pos = torch.arange(start + 1, device=dev)[None]  # context + the anchor itself
         seg = torch.zeros_like(pos)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..ddtree import build_ddtree
-from .cache import expand_cache, gather_attention, is_hybrid_cache, new_cache
+from ..target.cache import expand_cache, gather_attention, is_hybrid_cache, new_cache
+from .ddtree import build_ddtree
 from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
 
 

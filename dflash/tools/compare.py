@@ -14,7 +14,7 @@ import json
 import os
 import statistics
 
-from .plot import load_metrics
+from ..common.plot import load_metrics
 
 
 def flat_config(run_dir: str) -> dict:

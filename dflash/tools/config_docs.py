@@ -1,89 +1,22 @@
 """docs/configuration.md from the config schemas: `python -m dflash.tools.config_docs > docs/configuration.md`.
 
-A field's description is its comment in dflash/config.py: the comment on the field's own lines,
-else the comment block right above it (comments rather than `metadata=`, so that documenting a
-field costs no line in a module kept under 400 lines). `tests/test_config_docs.py` fails when a
-field has no description or this file is stale.
+Descriptions come from the schemas' comments (dflash.config.docs); `tests/test_config_docs.py`
+fails when this file is stale.
 """
 
 from __future__ import annotations
 
-import ast
-import dataclasses
-import io
 import os
 import sys
-import tokenize
 
-from .. import config as C
-
-GROUPS = {
-    "target": C.TargetConfig,
-    "drafter": C.DrafterConfig,
-    "data": C.DataConfig,
-    "train": C.TrainConfig,
-    "eval": C.EvalConfig,
-    "logger": C.LoggerConfig,
-    "topology": C.TopologyConfig,
-}
-
-
-def field_docs() -> dict[str, dict[str, str]]:
-    """class name -> field -> one-line description (empty when the field has none)."""
-    src = open(C.__file__).read()
-    comments: dict[int, str] = {}
-    code_lines: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
-            code_lines.add(tok.start[0])
-    out: dict[str, dict[str, str]] = {}
-    for node in ast.parse(src).body:
-        if not isinstance(node, ast.ClassDef):
-            continue
-        docs = out.setdefault(node.name, {})
-        for stmt in node.body:
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                own = [
-                    comments[i] for i in range(stmt.lineno, stmt.end_lineno + 1) if i in comments
-                ]
-                above, i = [], stmt.lineno - 1
-                while i in comments and i not in code_lines:
-                    above.insert(0, comments[i])
-                    i -= 1
-                docs[stmt.target.id] = " ".join(own or above)
-    return out
-
-
-def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        v = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-        v = f.default_factory()
-        if dataclasses.is_dataclass(v):
-            return "(group)"
-    else:
-        return "(required)"
-    return "null" if v is None else repr(v).replace("'", "")
-
-
-def rows():
-    """(dotted key, type, default, description) for every field, top-level keys first."""
-    docs = field_docs()
-    for f in dataclasses.fields(C.RunConfig):
-        if f.name not in GROUPS:
-            yield f.name, str(f.type), _default(f), docs["RunConfig"].get(f.name, "")
-    for group, cls in GROUPS.items():
-        for f in dataclasses.fields(cls):
-            yield f"{group}.{f.name}", str(f.type), _default(f), docs[cls.__name__].get(f.name, "")
+from ..config.docs import rows
 
 
 def render() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from the schemas in `dflash/config.py` by "
+        "Generated from the schemas in `dflash/config/` by "
         "`python -m dflash.tools.config_docs > docs/configuration.md`; do not edit by hand.",
         "Defaults are the schema's; a group file (`conf/<group>/<option>.yaml`) or an experiment",
         "(`+exp=NAME`) may set others. Set any key on the command line: `python train.py key=value`.",

@@ -60,14 +60,13 @@ class Setting:
 def capture_run(args, setting: Setting, side: str) -> dict:
     """Load the target under `setting`, run the fixed token ids, return per-layer aux states
     (float32, CPU), the greedy tokens and what ran."""
-    from ..linear_attn import check_bound_backend, linear_attn_report, select_linear_attn_backend
-    from ..target import (
-        Target,
-        TargetConfig,
-        load_hf_model,
-        resolve_dtype,
-        target_config_from_yaml,
+    from ..target.capture import Target
+    from ..target.linear_attn import (
+        check_bound_backend,
+        linear_attn_report,
+        select_linear_attn_backend,
     )
+    from ..target.load import TargetConfig, load_hf_model, resolve_dtype, target_config_from_yaml
 
     tcfg: TargetConfig = target_config_from_yaml(args.target)
     if args.num_layers is not None:
@@ -130,7 +129,7 @@ def _init_spec(spec: str, tcfg, setting: Setting) -> tuple[str, str]:
 
 
 def _layer_ids(spec: str | None, num_layers: int) -> list[int]:
-    from ..target import check_layer_ids, default_layer_ids
+    from ..target.shape import check_layer_ids, default_layer_ids
 
     if not spec:
         return default_layer_ids(num_layers, min(5, max(1, num_layers - 2)))
@@ -251,8 +250,8 @@ def _common_argv(args) -> list[str]:
 def check_fits(args, *settings: Setting) -> None:
     """Before anything loads: each setting's device exists and holds the weights (a random 27B
     target on a CPU box was OOM-killed after minutes of initialisation)."""
-    from ..preflight import check_target_resources
-    from ..target import target_config_from_yaml
+    from ..run.preflight import check_target_resources
+    from ..target.load import target_config_from_yaml
 
     tcfg = target_config_from_yaml(args.target)
     if args.num_layers is not None and tcfg.config is not None:
@@ -295,7 +294,7 @@ def run_parity(args) -> dict:
 def _resolved_backend(s: Setting) -> str:
     if s.backend != "auto":
         return s.backend
-    from ..linear_attn import _fla_importable
+    from ..target.linear_attn import _fla_importable
 
     return "fla" if s.device.startswith("cuda") and _fla_importable() else "torch"
 

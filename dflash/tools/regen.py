@@ -60,9 +60,9 @@ def regen(args) -> dict:
     import dataclasses
 
     from ..config import DataConfig, TargetConfig
-    from ..corpora import check_training_source
-    from ..data import dataset_path, regenerate_dataset
-    from ..target import load_conf, load_target, target_config_from_yaml
+    from ..data.corpora import check_training_source
+    from ..data.dataset import dataset_path, regenerate_dataset
+    from ..target.load import load_conf, load_target, target_config_from_yaml
 
     for prefix, cls, over in (
         ("target", TargetConfig, args.target_set),

@@ -1,0 +1,129 @@
+"""The on-disk layout of a run, which every part reads: where checkpoints, the run config and the
+metrics live, and how a path given by a user resolves to a checkpoint.
+
+    <run_dir>/run_config.json          the resolved config (rank 0 writes it at start)
+    <run_dir>/metrics.jsonl            one JSON row per logged step
+    <run_dir>/checkpoints/step_00000100/{config.json, model.safetensors, train_state.pt}
+    <run_dir>/checkpoints/latest       a text file naming the newest step dir
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+import torch
+
+from ..config import RunConfig
+
+STATE_FILE = "train_state.pt"
+
+
+def find_checkpoint(path: str) -> str:
+    """A step dir, or a run dir / checkpoints dir (-> its latest step)."""
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        return path
+    for root in (os.path.join(path, "checkpoints"), path):
+        latest = os.path.join(root, "latest")
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                cand = os.path.join(root, f.read().strip())
+            if os.path.isfile(os.path.join(cand, STATE_FILE)):
+                return cand
+    for root in (
+        os.path.join(path, "checkpoints"),
+        path,
+    ):  # `latest` lost: newest complete step dir
+        steps = sorted(
+            d
+            for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, STATE_FILE))
+        )
+        if steps:
+            return os.path.join(root, steps[-1])
+    raise FileNotFoundError(
+        f"no resumable checkpoint under {path!r} (expected a step_* directory "
+        f"with {STATE_FILE}, or a run directory with checkpoints/latest)"
+    )
+
+
+RUN_CONFIG = "run_config.json"
+
+
+def is_off(resume) -> bool:
+    return resume is None or str(resume).lower() in ("false", "none", "null", "")
+
+
+def checkpoint_step(ckpt: str) -> int:
+    name = os.path.basename(os.path.normpath(ckpt))
+    if name.startswith("step_") and name[5:].isdigit():
+        return int(name[5:])
+    return int(torch.load(os.path.join(ckpt, STATE_FILE), weights_only=False)["step"])
+
+
+def run_dir_of(ckpt: str) -> str | None:
+    """The run directory a step directory belongs to (`<run>/checkpoints/step_N`), else None."""
+    parent = os.path.dirname(os.path.abspath(ckpt))
+    if os.path.basename(parent) == "checkpoints":
+        return os.path.dirname(parent)
+    return None
+
+
+def _checkpoint_or_none(path: str) -> str | None:
+    try:
+        return find_checkpoint(path)
+    except FileNotFoundError:
+        return None
+
+
+def read_run_config(run_dir: str | None) -> dict | None:
+    path = os.path.join(run_dir, RUN_CONFIG) if run_dir else None
+    if not path or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def newest_run_of(out_root: str, exp_name: str) -> str:
+    """The checkpoint of the newest run under out_root whose run_config.json records exp_name."""
+    found = []
+    for d in glob.glob(os.path.join(out_root, "*")):
+        saved = read_run_config(d)
+        ck = _checkpoint_or_none(d) if saved and saved.get("exp_name") == exp_name else None
+        if ck:
+            found.append((os.path.getmtime(ck), ck))
+    if not found:
+        raise FileNotFoundError(
+            f"resume=true but no run of experiment exp_name={exp_name} with a checkpoint under "
+            f"out_root={out_root!r}; pass resume=/path/to/run_or_step_dir, or run_name=NAME "
+            "to continue that run"
+        )
+    return max(found)[1]
+
+
+def keep_metrics_until(run_dir: str, step: int) -> None:
+    """Drop the metric rows past the checkpoint being continued (they are trained again), in
+    place, so the file stays the run's one metrics.jsonl."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return
+    with open(path, "r+") as f:
+        keep = 0
+        for line in iter(f.readline, ""):
+            try:
+                if json.loads(line).get("step", 0) > step:
+                    break
+            except json.JSONDecodeError:  # a half-written last row of a killed run
+                break
+            keep = f.tell()
+        f.truncate(keep)
+
+
+def write_run_config(cfg: RunConfig, run_dir: str) -> None:
+    path = os.path.join(run_dir, "run_config.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
+    os.replace(tmp, path)

@@ -1,0 +1,72 @@
+"""Plots a person can look at without wandb (`python -m dflash.tools.plot RUN_DIR`; every run
+writes RUN_DIR/metrics.png at its end).
+
+Reads <run_dir>/metrics.jsonl (written by every run) and draws training loss / accuracy, eval
+streak / tau / DDTree acceptance, and throughput against the step."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+
+def load_metrics(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found; pass a run directory (outputs/<run>)")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(rows: list[dict], key: str):
+    pts = [
+        (r["step"], r[key])
+        for r in rows
+        if key in r
+        and r[key] is not None
+        and not (isinstance(r[key], float) and math.isnan(r[key]))
+    ]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_run(run_dir: str, out: str | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load_metrics(run_dir)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0, 0]
+    ax.plot(*series(rows, "train/loss"), label="train loss (hard CE)")
+    ax.set_xlabel("step"), ax.set_title("loss"), ax.legend()
+    ax = axes[0, 1]
+    ax.plot(*series(rows, "train/acc"), label="train acc (weighted)")
+    for k in sorted(
+        {k for r in rows for k in r if k.startswith("eval/acc_pos_")},
+        key=lambda k: int(k.rsplit("_", 1)[1]),
+    )[:4]:
+        ax.plot(*series(rows, k), marker="o", label=k)
+    ax.set_xlabel("step"), ax.set_title("accuracy"), ax.legend(fontsize=7)
+    ax = axes[1, 0]
+    ax.plot(*series(rows, "eval/tau"), marker="o", label="tau (chain)")
+    for k in sorted(
+        {k for r in rows for k in r if k.startswith("eval/tau@")},
+        key=lambda k: int(k.split("@")[1]),
+    ):
+        ax.plot(*series(rows, k), marker=".", label=k)
+    (
+        ax.set_xlabel("step"),
+        ax.set_title("acceptance length (greedy, exact offline)"),
+        ax.legend(fontsize=7),
+    )
+    ax = axes[1, 1]
+    ax.plot(*series(rows, "perf/tokens_per_s"), label="tokens/s")
+    ax.set_xlabel("step"), ax.set_title("throughput"), ax.legend()
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
+    fig.tight_layout()
+    out = out or os.path.join(run_dir, "metrics.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,16 @@
+"""Typed configuration: one dataclass schema per Hydra config group, checked at composition and
+validated once below the entry points (`to_run_config`)."""
+
+from .data import DATA_SOURCES, DataConfig  # data: prompts and regeneration
+from .eval import EvalConfig  # eval: the in-loop and eval.py evaluation
+from .model import DTYPES, LAYER_TYPES, LINEAR_ATTN_BACKENDS, DrafterConfig, TargetConfig
+from .run import (  # the root schema, its Hydra registration and the one conversion
+    BACKENDS,
+    SCHEMA_NAME,
+    LoggerConfig,
+    RunConfig,
+    TopologyConfig,
+    register_configs,
+    to_run_config,
+)
+from .train import LOSSES, TrainConfig  # train: optimization, budget, checkpoints

@@ -1,0 +1,72 @@
+"""Schema of the `train` config group (conf/train/): the optimization, its budget and its checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .checks import check_choice, check_positive
+from .model import DTYPES
+
+LOSSES = ("hard_ce", "soft_kl")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300  # optimizer steps (an upper bound when time_budget_min is set)
+    # minutes for the whole run (load, regen, training, evals; over resumes; dflash.train.budget)
+    time_budget_min: float | None = None
+    micro_batch_size: int = 8  # sequences per micro step (per trainer rank)
+    grad_accum: int = 1  # micro-batches per step
+    max_anchors: int = 512  # anchors per sequence, resampled every step
+    lr: float = 6e-4  # peak learning rate
+    min_lr_ratio: float = 0.0  # final lr / peak
+    warmup_ratio: float = 0.04  # warmup share of steps
+    weight_decay: float = 0.0  # AdamW decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    clip_grad: float = 1.0  # max grad norm
+    loss: str = "hard_ce"  # hard_ce | soft_kl
+    allow_soft_loss: bool = False  # soft KL must be chosen explicitly (see validate)
+    gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
+    # all | by_weight: keep position k's label with probability w_k / w_1, weighted 1 / p (the
+    # same expected loss and gradient from ~45% of the lm_head rows at B=16, gamma 7)
+    label_sampling: str = "all"
+    noise_std: float = 0.0  # input-side Gaussian noise on aux features, relative to their RMS
+    dtype: str = "auto"  # compute dtype under autocast; master weights stay fp32
+    lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
+    attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
+    compile: bool = False  # the drafter as one static compiled graph (rows padded to max_length)
+    fuse: bool = (
+        False  # CUDA: one compiled kernel per RMSNorm / RoPE / SwiGLU (dflash.drafter.fuse)
+    )
+    seed: int = 0  # init, anchors, noise
+    log_every: int = 10  # steps between logs
+    eval_every: int = 100  # steps between evals
+    save_every: int = 100  # steps between saves
+    keep_last: int = 2  # checkpoints kept
+    profile_at: int = 0  # > 0: torch.profiler over steps profile_at.. into RUN/profile (loop.py)
+    profile_steps: int = 5  # steps that profile covers
+    save_on_interrupt: bool = True  # Ctrl-C: finish the step, save it, print the resume command
+    dist: str = "ddp"  # trainer ranks: ddp | fsdp | deepspeed (dflash.train.parallelize)
+    zero_stage: int = 1  # train.dist=deepspeed: ZeRO stage 1, 2 or 3
+
+    def validate(self) -> None:
+        check_choice("train.dtype", self.dtype, DTYPES)
+        check_choice("train.loss", self.loss, LOSSES)
+        check_choice("train.label_sampling", self.label_sampling, ("all", "by_weight"))
+        check_choice("train.attn_kernel", self.attn_kernel, ("auto", "flex", "sdpa"))
+        check_choice("train.dist", self.dist, ("ddp", "fsdp", "deepspeed"))
+        check_choice("train.zero_stage", self.zero_stage, (1, 2, 3))
+        if self.loss == "soft_kl" and not self.allow_soft_loss:
+            raise ValueError(
+                "train.loss=soft_kl trains a soft objective while acceptance is judged by the "
+                "argmax (matching the target's distribution does not maximise exact-match "
+                "acceptance); to train it anyway, also set train.allow_soft_loss=true (logged)"
+            )
+        check_positive("train.gamma", self.gamma, " (position weights exp(-(k-1)/gamma))")
+        check_positive("train.time_budget_min", self.time_budget_min, " minutes")
+        if len(self.betas) != 2:
+            raise ValueError(f"train.betas must have two values, got {list(self.betas)}")
+        at_least_one = "steps micro_batch_size grad_accum max_anchors log_every eval_every"
+        for key in (at_least_one + " save_every lm_head_chunk profile_steps").split():
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")

@@ -1,0 +1,313 @@
+"""The training dataset: prompts answered by the target itself (greedy regeneration), cached on
+disk in resumable shards keyed by everything that changes the samples.
+
+Samples are token ids (prompt + response) with a loss mask on the response. Responses are the
+target's own outputs, so the sequence's tokens and the target's greedy labels agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import DataConfig, TargetConfig
+from .batch import Sample
+from .prompts import build_prompts, drop_long_prompts
+from .shards import ResponseShards, atomic_torch_save, pack_samples, unpack_samples
+
+
+# ----------------------------------------------------------------------------- regeneration
+@torch.no_grad()
+def generate_greedy(
+    target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    temperature: float = 0.0,
+    desc: str = "regenerate",
+    seed: int = 0,
+    partial_path: str | None = None,
+    log=None,
+    time_limit_s: float | None = None,
+    static_kw: dict | None = None,
+) -> list[list[int] | None]:
+    """Batched generation with the target (left padding), one response per prompt.
+
+    Resumable: after every batch the responses so far go to `partial_path` (atomically, with a
+    key of the prompts and settings); a rerun with the same arguments continues from there and
+    gives the same result as an uninterrupted run (fixed batch boundaries, per-batch seeds).
+
+    time_limit_s: no new batch starts after that many seconds (of this call); the prompts not
+    reached get None (a random subset of the batches is reached, see _regen_order).
+    static_kw: options of the static decoder (regen.StaticGreedyDecoder: compact, compile)."""
+    # Batches of similar lengths: left padding (and a static cache as long as the longest
+    # prompt) cost little; the responses come back in the prompts' order.
+    order = _regen_order(prompts, batch_size, seed)
+    ordered = [prompts[j] for j in order]
+    key = _regen_key(ordered, max_new_tokens, batch_size, temperature, seed)
+    shards = ResponseShards(partial_path) if partial_path else None
+    done = []
+    if partial_path and os.path.isfile(partial_path):  # the older single-file format
+        done = shards.adopt_legacy_file(key, log)
+    elif shards:
+        done = shards.load(key, log)
+        if done and log:
+            log(f"data: resuming regeneration at {len(done)} responses from {partial_path}")
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(done),
+        desc=desc,
+        unit="seq",
+        leave=False,
+        disable=os.environ.get("DFLASH_NO_PROGRESS") == "1",
+    )
+    t0, new_tokens = time.perf_counter(), 0
+    for i in range(len(done), len(prompts), batch_size):
+        if time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s:
+            if log:
+                log(
+                    f"{desc}: time limit of {time_limit_s / 60:g} min reached after {len(done)} "
+                    f"of {len(prompts)} prompts (data.regen_time_limit_min)"
+                )
+            break
+        batch = _generate_batch(
+            target, ordered[i : i + batch_size], max_new_tokens, temperature, seed + i, static_kw
+        )
+        done += batch
+        new_tokens += sum(len(r) for r in batch)
+        bar.update(len(batch))
+        if shards:  # one shard per batch, streamed: nothing already written is rewritten
+            shards.append(key, i // batch_size, batch)
+    bar.close()
+    if log and new_tokens:
+        dt = time.perf_counter() - t0
+        log(
+            f"{desc}: {new_tokens} new tokens in {dt:.1f} s ({new_tokens / dt:,.0f} tokens/s, "
+            f"batch {batch_size}, {decoder_name(target, temperature)})"
+        )
+    out: list[list[int] | None] = [None] * len(prompts)
+    for j, r in zip(order, done):
+        out[j] = r
+    return out
+
+
+def _regen_order(prompts: list[list[int]], batch_size: int, seed: int) -> list[int]:
+    """Prompt indices in regeneration order: batches of prompts of similar length (sorted, then
+    cut), the batches in a seeded random order, so a regeneration cut short by its time limit
+    has a random subset of the prompts, not the shortest ones."""
+    by_len = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    full = len(by_len) // batch_size  # a short last batch stays last: batches are cut every
+    batches = [by_len[i * batch_size : (i + 1) * batch_size] for i in range(full)]  # batch_size
+    perm = torch.randperm(full, generator=torch.Generator().manual_seed(seed)).tolist()
+    return [j for b in perm for j in batches[b]] + by_len[full * batch_size :]
+
+
+def _static_path(target, temperature: float) -> bool:
+    """Greedy on CUDA with an attention-only target: dflash.target.regen's graph-replayed decoder
+    (same greedy tokens as `generate`)."""
+    if temperature > 0 or target.device.type != "cuda":
+        return False
+    from ..target.regen import supports_static
+
+    return supports_static(target.model)
+
+
+def decoder_name(target, temperature: float) -> str:
+    return "static cache + CUDA graph" if _static_path(target, temperature) else "HF generate"
+
+
+def _generate_batch(
+    target,
+    chunk: list[list[int]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    static_kw: dict | None = None,
+) -> list[list[int]]:
+    tok = target.tokenizer
+    pad = (
+        tok.pad_token_id
+        if tok is not None and tok.pad_token_id is not None
+        else (tok.eos_token_id if tok is not None else target.mask_token_id)
+    )
+    eos = tok.eos_token_id if tok is not None else None
+    if _static_path(target, temperature):
+        from ..target.regen import static_greedy_batch
+
+        return static_greedy_batch(target, chunk, max_new_tokens, pad, eos, **(static_kw or {}))
+    L = max(len(p) for p in chunk)
+    ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+    att = torch.zeros(len(chunk), L, dtype=torch.long)
+    for r, p in enumerate(chunk):
+        ids[r, L - len(p) :] = torch.tensor(p)
+        att[r, L - len(p) :] = 1
+    kw = (
+        dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature)
+    )
+    torch.manual_seed(seed)
+    out = target.model.generate(
+        input_ids=ids.to(target.device),
+        attention_mask=att.to(target.device),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=1 if eos is None else 0,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        **kw,
+    )
+    responses = []
+    for r in range(len(chunk)):
+        resp = out[r, L:].tolist()
+        if eos is not None and eos in resp:
+            resp = resp[: resp.index(eos) + 1]
+        responses.append(resp)
+    return responses
+
+
+def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:
+    h = hashlib.sha256(json.dumps([max_new_tokens, batch_size, temperature, seed]).encode())
+    for p in prompts:
+        h.update(json.dumps(list(p)).encode())
+    return h.hexdigest()[:16]
+
+
+def build_samples(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    max_length: int,
+    too_long: str,
+    id_offset: int = 0,
+) -> tuple[list[Sample], dict]:
+    samples, stats = [], {"truncated": 0, "dropped": 0, "empty_response": 0}
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids = list(p) + list(r)
+        mask = [False] * len(p) + [True] * len(r)
+        if not r:
+            stats["empty_response"] += 1
+            continue
+        if len(ids) > max_length:
+            if too_long == "drop":
+                stats["dropped"] += 1
+                continue
+            stats["truncated"] += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not any(mask):
+                stats["dropped"] += 1
+                continue
+        samples.append(
+            Sample(
+                id_offset + i,
+                torch.tensor(ids, dtype=torch.long),
+                torch.tensor(mask, dtype=torch.bool),
+            )
+        )
+    if not samples:
+        raise ValueError(
+            f"the dataset is empty after filtering ({stats}); check data.paths, "
+            "data.max_length and data.too_long"
+        )
+    return samples, stats
+
+
+# do not change what is regenerated (the static decoder's options: the same greedy tokens)
+_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
+
+
+def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
+    key = json.dumps(
+        {
+            "data": {k: v for k, v in vars(dcfg).items() if k not in _NOT_IN_FINGERPRINT},
+            "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
+            "extra": extra,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def dataset_path(dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str) -> str:
+    return os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg)}.pt")
+
+
+def load_or_build_dataset(
+    dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str, log=print
+) -> list[Sample]:
+    """Prompts -> the target's own responses -> samples; cached by a fingerprint of the configs."""
+    from .corpora import check_training_source
+
+    check_training_source(dcfg.source, dcfg.paths)
+    path = dataset_path(dcfg, tcfg, cache_dir)
+    if os.path.exists(path):
+        samples = load_samples(path)
+        log(f"data: {len(samples)} samples from cache {path}")
+        return samples
+    return regenerate_dataset(dcfg, tcfg, target, path, log)
+
+
+def regenerate_dataset(
+    dcfg: DataConfig, tcfg: TargetConfig, target, path: str, log=print
+) -> list[Sample]:
+    """Regenerate responses with the target and write the samples to `path` (resumable through
+    `path + '.partial'`)."""
+    from .corpora import check_training_source
+
+    check_training_source(dcfg.source, dcfg.paths)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    t0 = time.perf_counter()
+    prompts, num_long = drop_long_prompts(build_prompts(dcfg, tcfg, target), dcfg.max_length)
+    t_prompts = time.perf_counter() - t0
+    if not prompts:
+        raise ValueError(
+            f"the dataset is empty: every prompt has >= data.max_length={dcfg.max_length} "
+            "tokens; raise data.max_length or use shorter prompts"
+        )
+    log(
+        f"data: regenerating {len(prompts)} responses (source {dcfg.source}, up to {dcfg.response_len} "
+        f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking}; "
+        f"prompts built and tokenized in {t_prompts:.1f} s)"
+    )
+    responses = generate_greedy(
+        target,
+        prompts,
+        dcfg.response_len,
+        dcfg.regen_batch_size,
+        dcfg.regen_temperature,
+        partial_path=path + ".partial",
+        seed=dcfg.seed,
+        log=log,
+        time_limit_s=None if dcfg.regen_time_limit_min is None else 60 * dcfg.regen_time_limit_min,
+        static_kw={"compact": dcfg.regen_compact, "compile": dcfg.regen_compile},
+    )
+    reached = [(p, r) for p, r in zip(prompts, responses) if r is not None]
+    samples, stats = build_samples(
+        [p for p, _ in reached], [r for _, r in reached], dcfg.max_length, dcfg.too_long
+    )
+    stats["prompt_too_long"] = num_long
+    if len(reached) < len(prompts):
+        stats["not_reached_in_time"] = len(prompts) - len(reached)
+    log(f"data: {len(samples)} samples regenerated by the target ({_fmt_stats(stats)})")
+    # The drafter's mask token should never be text: a real tokenizer's mask/reserved token
+    # never is, but a random target can emit any id.
+    n_mask = sum(bool((s.input_ids == target.mask_token_id).any()) for s in samples)
+    if n_mask:
+        log(
+            f"data: {n_mask} samples contain the drafter's mask token id {target.mask_token_id} "
+            "in their text (expected from a random target; with a real target, pick a "
+            "target.mask_token_id that never occurs in text)"
+        )
+    atomic_torch_save(pack_samples(samples), path)
+    ResponseShards(path + ".partial").remove()
+    return samples
+
+
+def _fmt_stats(stats: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in stats.items())
+
+
+def load_samples(path: str) -> list[Sample]:
+    return unpack_samples(torch.load(path))

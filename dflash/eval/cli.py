@@ -1,0 +1,165 @@
+"""eval.py: load a drafter checkpoint, check it against the target, run the offline simulation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from ..common.layout import run_dir_of
+from ..config import DataConfig, EvalConfig, RunConfig, TargetConfig
+from ..drafter.checkpoint import load_drafter
+from ..target.load import load_target
+from ..target.shape import Heads
+from .decode import decode_report
+from .offline import evaluate
+from .report import print_report, write_json
+from .sets import build_eval_set
+
+
+def run_config_of(ckpt: str) -> dict | None:
+    """Our checkpoints sit in <run_dir>/checkpoints/step_*; the run's config is next to them."""
+    for cand in (
+        os.path.join(ckpt, "..", "..", "run_config.json"),
+        os.path.join(ckpt, "run_config.json"),
+    ):
+        if os.path.isfile(cand):
+            with open(cand) as f:
+                return json.load(f)
+    return None
+
+
+def _run_caches(ckpt: str, prev: dict | None) -> tuple[str, ...]:
+    """The data cache of the run a checkpoint belongs to: its eval set is reused when this eval
+    asks for the same one (same key), so eval.py scores the prompts the in-loop eval scored."""
+    if prev is None:
+        return ()
+    run_dir = run_dir_of(ckpt) or ckpt  # or a step dir holding its own run_config.json
+    return (prev.get("data", {}).get("cache_dir") or os.path.join(run_dir, "data"),)
+
+
+def eval_dir(rc: RunConfig, root: str = "evals") -> str:
+    """evals/<run>-<step> for our checkpoints (<run>/checkpoints/step_*), evals/<dir name> for a
+    published one; checked here so that a bad ckpt leaves no directory behind."""
+    if not rc.ckpt:
+        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
+    if not os.path.isdir(rc.ckpt):
+        raise FileNotFoundError(f"ckpt={rc.ckpt!r} is not a directory")
+    ck = os.path.abspath(rc.ckpt)
+    parent = os.path.dirname(ck)
+    name = os.path.basename(ck)
+    if os.path.basename(parent) == "checkpoints":
+        name = f"{os.path.basename(os.path.dirname(parent))}-{name}"
+    return rc.eval_dir or os.path.join(root, name)
+
+
+def _restore_group(rc: RunConfig, group: str, cls, saved: dict, user_set: set[str]):
+    """The run's own values of a config group, with the keys the command line names on top
+    (`eval.real_decode_prompts=8` keeps the run's eval prompts)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    mine = sorted({k.split(".")[1] for k in user_set if k.startswith(group + ".")} & fields)
+    merged = {k: v for k, v in saved.items() if k in fields}
+    merged.update({k: getattr(getattr(rc, group), k) for k in mine})
+    label = group + (f" (but {', '.join(f'{group}.{k}' for k in mine)})" if mine else "")
+    return dataclasses.replace(rc, **{group: cls(**merged)}), label
+
+
+def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
+    if not rc.ckpt:
+        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
+    if not os.path.isdir(rc.ckpt):
+        raise FileNotFoundError(f"ckpt={rc.ckpt!r} is not a directory")
+    drafter, report = load_drafter(rc.ckpt, strict=False)
+    spec = drafter.spec
+    fc_in = report["fc_input"]
+    print(
+        f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
+        f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)"
+    )
+    print(
+        f"Loaded {report['loaded']} tensors; skipped (not drafter weights): {report['skipped'] or 'none'}; "
+        f"missing: {report['missing'] or 'none'}"
+    )
+    if report["missing"]:
+        raise ValueError(
+            f"{rc.ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete"
+        )
+    prev = run_config_of(rc.ckpt)
+    user_set = {o.split("=")[0].lstrip("+") for o in overrides}
+    if prev is not None:
+        # the run's own target, data conventions (chat template, prompt source) and eval set,
+        # unless the command line names them: the drafter is judged on prompts formatted as
+        # it saw them in training
+        restored = []
+        for group, cls in (("target", TargetConfig), ("data", DataConfig), ("eval", EvalConfig)):
+            if group in prev and group not in user_set:  # `eval=default` takes the whole group
+                rc, label = _restore_group(rc, group, cls, prev[group], user_set)
+                restored.append(label)
+        if restored:
+            print(
+                f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
+                f"eval source {rc.eval.source or rc.data.source}, {rc.eval.num_prompts} prompts)"
+            )
+    if prev is None:
+        print(
+            "no run config next to the checkpoint (a published drafter): its training prompts "
+            f"are unknown, so the eval prompts are the first eval.num_prompts={rc.eval.num_prompts} "
+            "rows of eval.paths (or data.paths)"
+        )
+    target = _target_for(rc, spec)
+    items = build_eval_set(
+        rc,
+        target,
+        os.path.join(out_dir, "data"),
+        log=print,
+        exclude_training=prev is not None,
+        read_dirs=_run_caches(rc.ckpt, prev),
+    )
+    dev = target.device
+    drafter = drafter.to(dev)
+    reports, summary = evaluate(
+        drafter,
+        Heads(target.embed_tokens, target.lm_head),
+        items,
+        rc.eval.budgets,
+        temperatures=rc.eval.temperatures,
+        top_p=rc.eval.top_p,
+        top_k=rc.eval.top_k,
+    )
+    if rc.eval.real_decode_prompts:
+        summary.update(
+            decode_report(target, drafter, items, rc.eval.real_decode_prompts, rc.eval, log=print)
+        )
+    print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
+    if rc.out:
+        meta = {
+            "ckpt": os.path.abspath(rc.ckpt),
+            "target": rc.target.name,
+            "block_size": spec.block_size,
+            "target_layer_ids": spec.target_layer_ids,
+            "eval": dataclasses.asdict(rc.eval),
+        }
+        write_json(rc.out, reports, summary, meta)
+        print(f"wrote {rc.out}")
+    return summary
+
+
+def _target_for(rc: RunConfig, spec):
+    """Load the target with the checkpoint's layer ids and mask token, refusing mismatches."""
+    target = load_target(
+        rc.target, layer_ids=spec.target_layer_ids, mask_token_id=spec.mask_token_id
+    )
+    if spec.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"drafter hidden size {spec.hidden_size} != target hidden size {target.hidden_size} "
+            f"(target={rc.target.name}); evaluate with the target it was trained for"
+        )
+    if spec.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"drafter vocab {spec.vocab_size} != target vocab {target.vocab_size} "
+            f"(target={rc.target.name})"
+        )
+    print(
+        f"target: {rc.target.name}, {target.num_layers} layers, Gated-DeltaNet backend: {target.backend}"
+    )
+    return target

@@ -1,0 +1,208 @@
+"""Eval sets: held-out prompts (never training rows), the target's greedy completion of each and
+the aux states along it, cached on disk keyed by everything that changes them.
+
+Legend: P prompt length, L completion length, T = P + L.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..data.dataset import generate_greedy
+from ..data.files import text_prompts
+from ..data.prompts import encode_prompts, random_prompts
+
+# evaluation-time only, or display: not in the cache key
+NOT_IN_KEY = (
+    "temperatures",
+    "top_p",
+    "top_k",
+    "real_decode_prompts",
+    "decode_tree_budgets",
+    "show_rounds",
+    "enabled",
+)
+
+
+@dataclass
+class EvalItem:
+    prompt_ids: torch.Tensor  # [P]
+    completion_ids: torch.Tensor  # [L] the target's greedy completion (self-consistent)
+    aux_TF: torch.Tensor  # [P+L, K*H] aux states along prompt + completion
+    # [L, H] the target's final (normed) hidden states at positions P-1 .. P+L-2: row j gives
+    # the target's distribution for completion token j (through lm_head), for eval at T > 0.
+    # Cheaper than a target forward at eval time and exact over the whole vocab (top-k
+    # logprobs would truncate min(p, q)); 1/K of the aux cache.
+    final_LH: torch.Tensor | None = None
+
+
+@torch.no_grad()
+def consistent_greedy(target, prompt: list[int], completion: list[int]) -> EvalItem:
+    """Re-run the target over prompt+completion in one forward and keep the completion up to the
+    first token that is not the argmax of that forward (batched generation and a one-shot
+    forward can disagree at near-ties); the walk then compares against a true fixed point."""
+    ids = torch.tensor(list(prompt) + list(completion), dtype=torch.long, device=target.device)[
+        None
+    ]
+    out = target.capture(ids, with_final_hidden=True)
+    P = len(prompt)
+    pred = out.next_token_NT[0, P - 1 : -1].cpu()
+    comp = torch.tensor(completion, dtype=torch.long)
+    bad = (pred != comp).nonzero()
+    n = int(bad[0]) if bad.numel() else len(completion)
+    return EvalItem(
+        torch.tensor(prompt, dtype=torch.long),
+        comp[:n].clone(),
+        out.aux_NTF[0, : P + n].cpu().clone(),
+        out.final_hidden_NTH[0, P - 1 : P - 1 + n].cpu().clone(),
+    )
+
+
+def eval_prompts(cfg, target, exclude_training: bool = True) -> list[list[int]]:
+    ecfg, dcfg = cfg.eval, cfg.data
+    source = ecfg.source or dcfg.source
+    if source == "selfgen":
+        return random_prompts(
+            ecfg.num_prompts, dcfg.prompt_len, target.vocab_size, [target.mask_token_id], ecfg.seed
+        )
+    if target.tokenizer is None:
+        raise ValueError(f"eval source {source!r} needs a target with a tokenizer")
+    return encode_prompts(heldout_text_prompts(cfg, exclude_training), target.tokenizer, cfg.target)
+
+
+def _prompt_key(p) -> str:
+    return json.dumps(p, sort_keys=True, default=str)
+
+
+def heldout_text_prompts(cfg, exclude_training: bool = True) -> list:
+    """Eval prompts that are never training prompts: from eval.paths / eval.source when they
+    name another source (refused if they overlap the training prompts), else the rows of the
+    training source after the ones training uses, with any prompt that training also sees
+    removed. exclude_training=False (a published drafter: its training prompts are unknown):
+    data.* names the eval prompts themselves, whatever data.num_samples says."""
+    from dataclasses import replace
+
+    ecfg, dcfg = cfg.eval, cfg.data
+    source = ecfg.source or dcfg.source
+    if not exclude_training:
+        ed = replace(dcfg, source=source, paths=list(ecfg.paths or dcfg.paths))
+        return text_prompts(replace(ed, num_samples=ecfg.num_prompts, seed=ecfg.seed))
+    if ecfg.paths or source != dcfg.source:
+        ed = replace(
+            dcfg,
+            source=source,
+            paths=list(ecfg.paths),
+            num_samples=ecfg.num_prompts,
+            seed=ecfg.seed,
+        )
+        out = text_prompts(ed)[: ecfg.num_prompts]
+        if dcfg.source != "selfgen":  # random token prompts never equal text prompts
+            seen = {_prompt_key(p) for p in text_prompts(dcfg)}
+            both = sum(_prompt_key(p) in seen for p in out)
+            if both:
+                raise ValueError(
+                    f"eval.paths/eval.source: {both} of {len(out)} eval prompts are also training "
+                    f"prompts of data.paths/data.source={dcfg.source} {list(dcfg.paths)}; point "
+                    "eval.paths at held-out prompts"
+                )
+        return out
+    seen = {_prompt_key(p) for p in text_prompts(dcfg)}
+    pool = text_prompts(replace(dcfg, num_samples=dcfg.num_samples + ecfg.num_prompts))
+    out = [p for p in pool if _prompt_key(p) not in seen][: ecfg.num_prompts]
+    if not out:
+        raise ValueError(
+            f"eval: no held-out prompts left: data.source={dcfg.source} has no rows beyond the "
+            f"{dcfg.num_samples} used for training; lower data.num_samples or set eval.paths "
+            "/ eval.source"
+        )
+    return out
+
+
+def build_eval_set(
+    cfg,
+    target,
+    cache_dir: str | None,
+    log=print,
+    exclude_training: bool = True,
+    read_dirs: tuple[str, ...] = (),
+) -> list[EvalItem]:
+    """The cached eval set of this config from cache_dir or read_dirs (eval.py: the run's own
+    cache, where the in-loop eval left it), else built and saved in cache_dir."""
+    key = json.dumps(
+        {
+            "format": 2,  # items carry final_LH
+            "exclude_training": exclude_training,
+            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
+            "data": vars(cfg.data),
+            "target": vars(cfg.target),
+            "layers": target.layer_ids,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    name = f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    for d in (cache_dir, *read_dirs):
+        if d and os.path.exists(os.path.join(d, name)):
+            items = load_eval_set(os.path.join(d, name))
+            log(f"eval: {len(items)} prompts from cache {os.path.join(d, name)}")
+            return items
+    path = None
+    if cache_dir:
+        os.makedirs(cache_dir, exist_ok=True)
+        path = os.path.join(cache_dir, name)
+    t0 = time.perf_counter()
+    prompts = eval_prompts(cfg, target, exclude_training)
+    comps = generate_greedy(
+        target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy", log=log
+    )
+    items = [consistent_greedy(target, p, c) for p, c in zip(prompts, comps)]
+    items = [it for it in items if it.completion_ids.numel() >= 2]
+    if not items:
+        raise ValueError(
+            "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
+        )
+    short = len(prompts) - len(items)
+    log(
+        f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy "
+        f"tokens, built in {time.perf_counter() - t0:.1f} s"
+        + (
+            f" ({short} of {len(prompts)} left out: their batched greedy completion and a one-shot "
+            "forward disagree within 2 tokens, a near-tie)"
+            if short
+            else ""
+        )
+    )
+    if path:
+        save_eval_set(items, path)
+    return items
+
+
+def save_eval_set(items: list[EvalItem], path: str) -> None:
+    t = {}
+    for i, it in enumerate(items):
+        t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"] = (
+            it.prompt_ids,
+            it.completion_ids,
+            it.aux_TF.contiguous(),
+        )
+        if it.final_LH is not None:
+            t[f"{i}.final"] = it.final_LH.contiguous()
+    tmp = f"{path}.tmp{os.getpid()}"
+    save_file(t, tmp)
+    os.replace(tmp, path)
+
+
+def load_eval_set(path: str) -> list[EvalItem]:
+    t = load_file(path)
+    n = len({k.split(".")[0] for k in t})
+    return [
+        EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
+        for i in range(n)
+    ]

@@ -1,0 +1,53 @@
+"""`python train.py --help` (Hydra's app help, conf/hydra/help/dflash.yaml): the config groups
+and their options, each with the first sentence of its file's header comment, then the keys of
+each group with their descriptions from the schemas (dflash.config.docs)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from .overrides import CONF_DIR, groups
+
+
+def _header(path: str) -> str:
+    """First sentence of a yaml file's leading comment ('' when it has none)."""
+    lines = []
+    with open(path) as f:
+        for line in f:
+            s = line.strip()
+            if not s.startswith("#"):
+                break
+            if s.startswith("# @package"):
+                continue
+            lines.append(s.lstrip("#").strip())
+    text = " ".join(lines)
+    return re.split(r"(?<![0-9])\. ", text)[0].rstrip(".")
+
+
+def render_help() -> str:
+    from ..config.docs import rows
+
+    out = [
+        "Train a DFlash drafter:  python train.py [+exp=NAME] [group=option ...] [key=value ...]",
+        "(eval.py takes the same keys plus ckpt=PATH). Full reference: docs/configuration.md.",
+        "",
+        "== Configuration groups ==  (group=option; experiments: +exp=NAME)",
+    ]
+    for group, options in groups(CONF_DIR).items():
+        out.append(f"{group}:")
+        for opt in options:
+            desc = _header(os.path.join(CONF_DIR, group, f"{opt}.yaml"))
+            out.append(f"  {opt:<22} {desc}")
+    out += ["", "== Keys ==  (key=value)"]
+    for key, _typ, default, doc in rows():
+        out.append(f"  {key:<28} {doc}  [default: {default}]")
+    out += [
+        "",
+        "Examples:",
+        "  python train.py                                   # the CPU smoke run (~2 min)",
+        "  python train.py +exp=v5 target.path=/models/qwen  # the paper recipe on real weights",
+        "  python train.py run_name=NAME resume=outputs/NAME # continue a run in its directory",
+        "  python train.py --cfg job                         # print the composed config",
+    ]
+    return "\n".join(out)

@@ -1,0 +1,195 @@
+"""The launcher: typed config, process setup, one dispatch to the colocated or the split run, and
+the exit codes of every process.
+
+Exit codes: 0 done; 2 bad input (a config value, a missing file: one `error: ...` line);
+3 the pipeline stopped (a peer rank died or hung, or topology.on_bad_batch=stop);
+130 interrupted; 1 anything else (with its traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import sys
+import time
+import traceback
+
+from ..common.comm import (
+    EXIT_PIPELINE,
+    PeerError,
+    RankContext,
+    die,
+    init_distributed,
+    launcher_env,
+    shutdown,
+)
+from ..common.interrupt import Interrupted
+from ..config import RunConfig
+from ..train.budget import start_clock_at_process_start
+from ..train.build import BadBatchError
+from ..train.colocated import run_colocated
+from ..train.split.run import run_split
+from ..train.split.schedule import Roles
+from .cli import names_run, typed
+from .directory import RunDir
+from .plan import RESUME_FILE, RunFinished, override_key, plan_run
+from .preflight import check_run
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+_PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|failed to pass monitoredBarrier"
+)
+
+
+def launch(cfg, overrides: list[str] | None = None) -> None:
+    """Entry of `train.py` (cfg: the composed Hydra config; overrides: its command line, for the
+    resume command printed on Ctrl-C). A single process without a split topology runs colocated
+    in-process; anything else (torchrun, accelerate launch, or topology=split) runs as one rank of
+    a torch.distributed job. The run directory is made only after every check that needs no
+    model passed, and removed again if the run fails before it started."""
+    start_clock_at_process_start()  # train.time_budget_min counts from the process start
+    try:
+        rc = typed(cfg)
+        rank, world, _ = launcher_env()
+        distributed = rc.topology.mode == "split" or world > 1
+        roles = Roles.from_topology(rc.topology, world) if distributed else None
+        check_run(rc)
+        plan = plan_run(rc, os.path.join(rc.out_root, rc.run_name), named=names_run(cfg))
+        rc = dataclasses.replace(rc, resume=plan.ckpt)
+        run_dir = RunDir(plan.run_dir, "train.log", writer=rank == 0)
+    except RunFinished as e:
+        print(e, flush=True)
+        return
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+    run_dir.open()
+    resume_cmd = ResumeCommand(overrides or [], rc, run_dir.path, world)
+    if rank == 0:
+        resume_cmd.save()
+    if distributed:
+        run_distributed(rc, run_dir, roles, resume_cmd)
+        return
+    try:
+        run_colocated(rc, run_dir.path)
+    except Interrupted as e:
+        _finish(run_dir, True, resume_cmd.line(e), EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        _finish(run_dir, False, resume_cmd.line(None), EXIT_INTERRUPTED)
+    except (ValueError, FileNotFoundError) as e:
+        _finish(run_dir, False, f"error: {e}", EXIT_BAD_INPUT)
+    except BaseException:
+        run_dir.close(ok=False)
+        raise
+    run_dir.close(ok=True)
+
+
+def _finish(run_dir: RunDir, ok: bool, msg: str, code: int, hard: bool = False) -> None:
+    """The last line goes to the console and the log, then the log closes (a run dir of a start
+    that failed is removed) and the process exits; `hard`: without teardown (see comm.die)."""
+    if msg:
+        print(msg, file=sys.stderr, flush=True)
+    run_dir.close(ok)
+    if hard:
+        die("", code)
+    sys.exit(code)
+
+
+class ResumeCommand:
+    """The one line printed on Ctrl-C: `resume=RUN_DIR` continues in the same run directory
+    (RUN_DIR resolves to its latest checkpoint)."""
+
+    def __init__(self, overrides: list[str], cfg: RunConfig, run_dir: str, world: int):
+        drop = ("resume", "run_name")
+        keep = [o for o in overrides if override_key(o) not in drop]
+        prog = "python train.py" if world == 1 else f"torchrun --nproc-per-node {world} train.py"
+        self.fresh = " ".join([prog, *map(shlex.quote, keep)])
+        # resume=RUN_DIR alone continues in that directory (rundir.plan_run); a run_name here
+        # would name a directory to continue in instead
+        self.resume = " ".join([self.fresh, shlex.quote(f"resume={run_dir}")])
+        self.run_dir = run_dir
+
+    def save(self) -> None:
+        """RUN_DIR/resume_command: what a resume that changes a key of the run points to."""
+        path = os.path.join(self.run_dir, RESUME_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(self.resume + "\n")
+        os.replace(path + ".tmp", path)
+
+    def line(self, e: Interrupted | None) -> str:
+        if e is None:
+            return f"interrupted before training started (nothing saved); start again with: {self.fresh}"
+        if e.checkpoint is None and not os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
+            return f"interrupted at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
+        return f"interrupted at step {e.step}; resume with: {self.resume}"
+
+
+def run_distributed(
+    cfg: RunConfig, run_dir: RunDir, roles: Roles | None, resume_cmd: ResumeCommand
+) -> None:
+    """One rank of the job (roles None: colocated data parallel). Any failure ends this process
+    with a message naming the rank; peers notice (gloo at once, NCCL via the deadlines) and exit
+    too, so the job never hangs silently."""
+    rank = launcher_env()[0]
+    tag = f"[rank {rank}{'' if roles is None else ' ' + roles.role(rank)}]"
+    ok = False
+    try:
+        ctx = init_distributed(
+            cfg.topology.backend, cfg.topology.timeout_s, cfg.topology.startup_timeout_s
+        )
+    except (ValueError, FileNotFoundError) as e:
+        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
+    try:
+        if roles is None:
+            run_colocated(cfg, run_dir.path, ctx=ctx)
+        else:
+            run_split(cfg, run_dir.path, ctx, roles)
+        try:
+            ctx.barrier()
+        except RuntimeError as e:
+            raise PeerError(
+                f"not every rank reached the end of the run: {_first_line(e)}"
+            ) from None
+        ok = True
+    except Interrupted as e:
+        _finish(run_dir, True, resume_cmd.line(e) if rank == 0 else "", EXIT_INTERRUPTED, True)
+    except KeyboardInterrupt:
+        msg = f"{tag} {resume_cmd.line(None)}" if rank == 0 else ""
+        _finish(run_dir, False, msg, EXIT_INTERRUPTED, hard=True)
+    except (PeerError, BadBatchError) as e:
+        _finish(run_dir, False, f"{tag} pipeline stopped: {e}", EXIT_PIPELINE, hard=True)
+    except (ValueError, FileNotFoundError) as e:
+        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
+    except BaseException as e:  # noqa: BLE001 - any other failure must still end the process
+        run_dir.close(ok=False)
+        _die_of(e, tag, ctx, wait_for_receiver=roles is not None)
+    run_dir.close(ok=ok)
+    shutdown()
+
+
+def _die_of(e: BaseException, tag: str, ctx: RankContext, wait_for_receiver: bool) -> None:
+    # A collective among trainers breaks when a peer trainer stopped for a dead worker; give
+    # this rank's receiver a moment to see the same root cause and report that instead.
+    deadline = time.monotonic() + (2.0 if wait_for_receiver else 0.0)
+    while ctx.root_cause is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if ctx.root_cause is not None:
+        die(f"{tag} pipeline stopped: {ctx.root_cause}", EXIT_PIPELINE)
+    if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e)):
+        die(
+            f"{tag} pipeline stopped: a peer rank exited during a collective (the first rank to "
+            f"stop names the cause): {_first_line(e)}",
+            EXIT_PIPELINE,
+        )
+    traceback.print_exc()
+    die(f"{tag} failed: {type(e).__name__}: {e}", 1)
+
+
+def _first_line(e: BaseException) -> str:
+    return (
+        str(e).splitlines()[0].split(". This is typically")[0][:300] if str(e) else type(e).__name__
+    )

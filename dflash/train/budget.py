@@ -1,0 +1,131 @@
+"""`train.time_budget_min`: a run that ends on the clock instead of at `train.steps`.
+
+The budget is wall-clock time for the whole run, summed over resumes: loading the target,
+regenerating the data, training, the in-loop evals, the final eval and the last save. Training
+ends once what is left would only just fit one more step and the final eval and save (`reserve`:
+the longest step, and the longest eval and save seen so far x 1.25), so the run finishes inside
+the budget. The learning-rate schedule (warmup, cosine) follows the fraction of the training
+window used instead of the step count, so a budgeted run always reaches the end of its schedule;
+`train.steps` is then an upper bound.
+
+The clock starts when `dflash` is first imported (the launcher imports it first thing) and is
+saved in every checkpoint: a resumed run counts the time its earlier part spent up to the
+checkpoint (the minutes between the interruption and the resume are not counted; what ran after
+the checkpoint is redone and counted again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from .. import PROCESS_T0
+from .losses import cosine_decay
+
+RESERVE_FACTOR = 1.25  # margin on the longest eval + save seen
+_RUN_T0: float | None = None  # set by the launcher: the run started with the process
+
+
+def start_clock_at_process_start() -> None:
+    """The launcher's first act: budgets count from when the process imported dflash. Without
+    it (a run started from Python) a budget counts from the trainer's construction."""
+    global _RUN_T0
+    _RUN_T0 = PROCESS_T0
+
+
+class TimeBudget:
+    def __init__(self, minutes: float, now=None):
+        """now: the clock (time.monotonic; tests pass their own)."""
+        self.total_s = float(minutes) * 60.0
+        self._now = now or time.monotonic
+        self._t0 = _RUN_T0 if (_RUN_T0 is not None and now is None) else self._now()
+        self.prior_s = 0.0  # spent by earlier parts of the run (from the checkpoint)
+        self.train_t0: float | None = None  # run time when training started
+        self._longest: dict[str, float] = {}  # longest eval / save seen
+
+    def now(self) -> float:
+        return self._now()
+
+    def elapsed(self) -> float:
+        return self.prior_s + self._now() - self._t0
+
+    def left(self) -> float:
+        return self.total_s - self.elapsed()
+
+    def start_training(self) -> None:
+        if self.train_t0 is None:
+            self.train_t0 = self.elapsed()
+
+    @contextlib.contextmanager
+    def timed(self, kind: str):
+        """Time an eval or a save on the run's clock and keep room for one more of it."""
+        t0 = self._now()
+        yield
+        self.note(kind, self._now() - t0)
+
+    def note(self, kind: str, seconds: float) -> None:
+        """An eval, a save or a step (`kind`) took `seconds`: keep room for one more of each at
+        the end (the clock is read after a step, so the step that would cross the line is never
+        started)."""
+        self._longest[kind] = max(self._longest.get(kind, 0.0), float(seconds))
+
+    @property
+    def reserve_s(self) -> float:
+        """Room kept at the end: one more eval and save (x RESERVE_FACTOR) and one more step."""
+        step = self._longest.get("step", 0.0)
+        return RESERVE_FACTOR * (sum(self._longest.values()) - step) + step
+
+    def progress(self) -> float:
+        """Fraction of the training window used: 0 when training starts, 1 when it must end."""
+        t0 = self.train_t0 if self.train_t0 is not None else self.elapsed()
+        window = self.total_s - self.reserve_s - t0
+        if window <= 0:
+            return 1.0
+        return min(1.0, max(0.0, (self.elapsed() - t0) / window))
+
+    def done(self) -> bool:
+        return self.progress() >= 1.0
+
+    def state_dict(self) -> dict:
+        return {
+            "elapsed_s": self.elapsed(),
+            "train_t0": self.train_t0,
+            "longest": dict(self._longest),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the clock of a checkpoint (this process's own time, loading and cached data
+        included, keeps counting on top)."""
+        self.prior_s = float(state["elapsed_s"])
+        self.train_t0 = state["train_t0"]
+        self._longest = {k: float(v) for k, v in state["longest"].items()}
+
+
+_PHASES: list[tuple[str, float]] = []  # this run's (phase, monotonic time it ended)
+
+
+def start_phases() -> None:
+    """A run starts in this process: its phases count from the process start (the first run) or
+    from now (a later run of a multirun or a test session)."""
+    _PHASES[:] = [("", time.monotonic() if _PHASES else PROCESS_T0)]
+
+
+def phase_done(name: str) -> None:
+    """A startup phase of this run ended now (target load, data, ...): train.log's "spent before
+    training" line lists them."""
+    if _PHASES:
+        _PHASES.append((name, time.monotonic()))
+
+
+def startup_phases() -> str:
+    """'data 140 s, ...': each phase's seconds since the previous one ended, in order."""
+    return ", ".join(f"{n} {t - t0:.0f} s" for (_, t0), (n, t) in zip(_PHASES, _PHASES[1:]))
+
+
+def budget_lr(progress: float, warmup_ratio: float, min_ratio: float) -> float:
+    """LR multiplier against the fraction of the training window: linear warmup over the first
+    warmup_ratio of it, then cosine to min_ratio at the end (the step schedule of loss.cosine_lr,
+    with time for steps)."""
+    if warmup_ratio > 0 and progress < warmup_ratio:
+        return max(progress / warmup_ratio, 1e-3)
+    return cosine_decay((progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio), min_ratio)

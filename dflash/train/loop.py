@@ -1,0 +1,290 @@
+"""The train loop: loop { step; maybe log; maybe eval; maybe save }, over any `BatchSource`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from ..common.interrupt import Interrupted, StopRequest, agree_any
+from ..common.loggers import Logger
+from ..common.profiling import StepProfiler
+from ..config import RunConfig
+from ..data.batch import TargetBatch
+from ..data.stream import SampleStream
+from .budget import phase_done, startup_phases
+from .resume import save_checkpoint
+from .step import DrafterTrainer
+
+
+class BatchSource(Protocol):
+    """Where a trainer rank's micro-batches come from: its own target forward (colocated) or the
+    stream from the target workers (split)."""
+
+    stream: SampleStream  # position and epoch of the sample order (saved in checkpoints)
+
+    def next_batches(self) -> list[TargetBatch]:
+        """This rank's grad_accum micro-batches of the next step."""
+        ...
+
+    def step_metrics(self, target_s: float, drafter_s: float) -> dict:
+        """Cheap, local figures of the step just taken (every step)."""
+        ...
+
+    def interval_metrics(self) -> dict:
+        """Figures over the interval since the last log step; every trainer rank calls it at the
+        same steps (it may be a collective)."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+
+def train_loop(
+    cfg: RunConfig,
+    trainer: DrafterTrainer,
+    source: BatchSource,
+    evaluator,
+    logger: Logger,
+    run_dir: str,
+    stop_at: int | None = None,
+    writer: bool = True,
+) -> dict:
+    """Only the writer rank saves. stop_at: end after that step as if interrupted."""
+    tc = cfg.train
+    last: dict = {}
+    first_eval = None
+    budget = trainer.budget
+    fresh = budget is not None and budget.train_t0 is None
+    if budget is not None:
+        budget.start_training()
+    if cfg.eval.enabled and trainer.step == 0:
+        drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
+    if evaluator is not None and trainer.step == 0:
+        with _timed(budget, "eval"):
+            first_eval = evaluator.run(drafter, trainer.heads)
+        logger.log(first_eval, step=0)
+        logger.log_eval(evaluator.reports, 0)
+        phase_done("step-0 eval")
+    if fresh:
+        _report_start(budget, logger)
+    bar = tqdm(
+        total=tc.steps if budget is None else None,  # a budgeted run ends on the clock
+        initial=trainer.step,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        disable=os.environ.get("DFLASH_NO_PROGRESS") == "1" or not writer,
+    )
+    stop = StopRequest()
+    interrupted = None
+    first = True  # this process's first step: kernels compile there (flex attention, compile)
+    clock = StepClock(trainer.device)
+    rank_dir = f"rank{torch.distributed.get_rank()}" if trainer.dp_world > 1 else ""
+    prof_dir = os.path.join(run_dir, "profile", rank_dir)
+    prof = StepProfiler(tc.profile_at, tc.profile_steps, trainer.device, prof_dir, logger)
+    with stop:
+        while trainer.step < tc.steps:
+            prof.before(trainer.step)
+            interrupted, final = _step(
+                cfg,
+                trainer,
+                source,
+                evaluator,
+                logger,
+                run_dir,
+                writer,
+                bar,
+                last,
+                stop,
+                clock,
+                first,
+            )
+            stopping = stop_at is not None and trainer.step >= stop_at
+            prof.after(trainer.step, last=final or interrupted is not None or stopping)
+            if first:
+                first = False
+                logger.info(
+                    f"first step: {last['perf/target_s'] + last['perf/drafter_s']:.1f} s "
+                    f"(target {last['perf/target_s']:.1f} s, drafter {last['perf/drafter_s']:.1f} s)"
+                )
+            if final or interrupted is not None:
+                break
+            if stop_at is not None and trainer.step >= stop_at:
+                break
+    bar.close()
+    if budget is not None:
+        last["time/run_min"] = budget.elapsed() / 60.0
+        logger.info(
+            f"time budget: stopped at step {trainer.step} after {budget.elapsed() / 60:.1f} of "
+            f"{budget.total_s / 60:g} min"
+        )
+    if writer and interrupted is None:
+        _plot(run_dir, logger)
+    _summarize(logger, last, first_eval)
+    if interrupted is not None:
+        raise interrupted
+    return last
+
+
+def _report_start(budget, logger: Logger) -> None:
+    """How much of the budget went before the first step (target load, data, eval set, step-0
+    eval), and a warning when that leaves training less than half."""
+    spent, total = budget.elapsed(), budget.total_s
+    msg = f"time budget: {spent / 60:.1f} of {total / 60:g} min spent before training"
+    if phases := startup_phases():
+        msg += f" ({phases})"
+    if spent > total / 2:
+        msg += (
+            f"; training gets {max(total - spent, 0) / 60:.1f} min: raise train.time_budget_min, "
+            "lower data.num_samples, or reuse a data cache (data.cache_dir)"
+        )
+    logger.info(msg)
+
+
+def _timed(budget, kind: str):
+    return budget.timed(kind) if budget is not None else contextlib.nullcontext()
+
+
+def _plot(run_dir: str, logger: Logger) -> None:
+    """metrics.png in the run dir: the learning curve without wandb (dflash.common.plot)."""
+    try:
+        from ..common.plot import plot_run
+
+        logger.info(f"plots: {plot_run(run_dir)}")
+    except ImportError as e:
+        logger.info(f"plots: skipped ({e}; pip install 'dflash[plots]')")
+
+
+class StepClock:
+    """Where the steps' time goes, read at log steps only (reading waits for the GPU).
+
+    A step queues its kernels without waiting for them, so host wall times per step measure
+    launches: on CUDA the target and drafter times are the GPU time between events recorded
+    around each part of the logged step; on CPU they are wall times. Throughput counts the
+    interval since the last log step: its steps' host time plus the wait for the GPU to catch
+    up at the read (eval and checkpoint time left out)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.marks: list = []
+        self.busy_s = 0.0  # host time of the steps since the last log step, and the final wait
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def parts(self) -> tuple[float, float]:
+        """(target, drafter) seconds of the step just marked (start, batches, step)."""
+        m0, m1, m2 = self.marks[-3:]
+        if self.cuda:
+            m2.synchronize()
+            return m0.elapsed_time(m1) / 1e3, m1.elapsed_time(m2) / 1e3
+        return m1 - m0, m2 - m1
+
+
+def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, first):
+    """One step: train; maybe log, eval, save. Returns (Interrupted when Ctrl-C asked to stop,
+    whether this was the last step: train.steps reached or the time budget spent)."""
+    tc = cfg.train
+    budget = trainer.budget
+    b0 = budget.now() if budget is not None else None
+    t0 = time.perf_counter()
+    clock.marks = []
+    clock.mark()
+    batches = source.next_batches()
+    clock.mark()
+    figures = trainer.step_async(batches)
+    clock.mark()
+    clock.busy_s += time.perf_counter() - t0
+    step = trainer.step
+    metrics = {"data/epoch": source.stream.epoch}
+    final = step == tc.steps
+    if budget is not None:
+        budget.note("step", budget.now() - b0)
+    out_of_time, interrupted = agree_any(
+        [budget is not None and budget.done(), stop.requested],
+        (trainer.ctrl_group or trainer.dp_group) if trainer.dp_world > 1 else None,
+        trainer.device,
+    )
+    final = final or out_of_time
+    if budget is not None:
+        metrics["time/run_min"] = budget.elapsed() / 60.0
+        metrics["time/budget_progress"] = budget.progress()
+    bar.update(1)
+    log = step % tc.log_every == 0 or final
+    if log or first:  # the first step is read for its timing line (kernels compile there)
+        t_read = time.perf_counter()
+        metrics.update(figures.read())  # the step's figures: the only host sync of the interval
+        metrics["perf/target_s"], metrics["perf/drafter_s"] = clock.parts()
+        clock.busy_s += time.perf_counter() - t_read
+    if log:
+        interval = trainer.interval_counts()
+        metrics["perf/tokens_per_s"] = interval["tokens"] / max(clock.busy_s, 1e-9)
+        clock.busy_s = 0.0
+        metrics.update(source.step_metrics(metrics["perf/target_s"], metrics["perf/drafter_s"]))
+        metrics.update(source.interval_metrics())
+        metrics.update(_compiled())
+        logger.log(metrics, step)
+        post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
+        if budget is not None:
+            post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
+        bar.set_postfix(post)
+    last.update(metrics)
+    periodic = step % tc.save_every == 0 or final
+    evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or final)
+    save = periodic or (interrupted and tc.save_on_interrupt)
+    drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
+    if evaluator is not None and evaluate:
+        with _timed(budget, "eval"):
+            ev = evaluator.run(drafter, trainer.heads)
+        logger.log(ev, step)
+        logger.log_eval(evaluator.reports, step)
+        last.update(ev)
+    if writer and save:
+        with _timed(budget, "save"):
+            last["checkpoint"] = save_checkpoint(
+                run_dir,
+                step,
+                drafter,
+                trainer.state_dict(),
+                tc.keep_last,
+                extra={"source": source.state_dict()},
+            )
+            logger.log_checkpoint(last["checkpoint"], step)
+    if interrupted:
+        saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
+        return Interrupted(step, saved), final
+    return None, final
+
+
+def _compiled() -> dict:
+    """Graphs torch.compile has built in this process so far: a step in this figure marks an
+    interval that paid a (re)compile (train.fuse, train.compile, the fused CE)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {"perf/compiled_graphs": float(counters["stats"]["unique_graphs"])}
+
+
+def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:
+    if first_eval is not None:
+        last["eval0/streak"] = first_eval.get("eval/streak")
+        last["eval0/tau"] = first_eval.get("eval/tau")
+    logger.summary({k: v for k, v in last.items() if isinstance(v, (int, float))})
+    if "checkpoint" in last:
+        logger.info(f"checkpoint: {last['checkpoint']}")
+    if "eval/tau" in last:
+        msg = f"eval: streak {last['eval/streak']:.3f}  tau {last['eval/tau']:.3f}"
+        if first_eval is not None:
+            msg += f"  (at step 0: streak {first_eval['eval/streak']:.3f}, tau {first_eval['eval/tau']:.3f})"
+        logger.info(msg)
+    logger.close()

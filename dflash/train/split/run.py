@@ -1,0 +1,19 @@
+"""A split run: ranks 0..NW-1 become target workers, the rest drafter trainers."""
+
+from __future__ import annotations
+
+from ...common.comm import RankContext, new_group
+from ...config import RunConfig
+from .schedule import Roles
+from .trainer import run_trainer
+from .worker import run_worker
+
+
+def run_split(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> None:
+    dp_group = new_group(roles.trainer_ranks)  # collective: every rank creates it
+    # the trainers' stop flags agree on the host (gloo), not through the step's stream
+    ctrl_group = new_group(roles.trainer_ranks, backend="gloo")
+    if ctx.rank < roles.num_workers:
+        run_worker(cfg, run_dir, ctx, roles)
+    else:
+        run_trainer(cfg, run_dir, ctx, roles, dp_group, ctrl_group)
