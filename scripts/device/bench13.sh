@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device call: the issue-13 measurements on random weights (no uploads), each under its own time
-# limit, figures and logs to $OUT. Pick what to run (default: all, ~8 min; split over two calls):
+# Remote call: the loop, 27B and regeneration benchmarks on random weights (no uploads), each
+# under its own time limit, figures and logs to $OUT. Pick what to run (default: all, ~8 min;
+# split over two calls):
 #   WHAT="smollm2 qwen05" bash scripts/device/bench13.sh  (smollm2_r32 / qwen05_r32: 32 rows)
 #   WHAT="drafter27b regen" bash scripts/device/bench13.sh
 #   WHAT=worker27b bash scripts/device/bench13.sh  (carry .fla: the fla wheels)

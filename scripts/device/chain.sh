@@ -13,7 +13,7 @@ ck=$(ls -d /tmp/runs/main/checkpoints/step_* | tail -1)
 echo "ckpt $ck" >> /tmp/res/status
 python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
 echo "eval rc=$? $(date +%s)" >> /tmp/res/status
-if [ "${FP32:-1}" = 1 ]; then  # FP32=0: no fp32 check (saves ~1 min of device time)
+if [ "${FP32:-1}" = 1 ]; then  # FP32=0: no fp32 check (saves ~1 min of GPU time)
   python3 eval.py ckpt=$ck eval.num_prompts=3 eval.real_decode_prompts=3 target.dtype=float32 \
     out=/tmp/res/eval32.json > /tmp/res/eval32.out 2>&1
   echo "eval32 rc=$? $(date +%s)" >> /tmp/res/status

@@ -1,4 +1,4 @@
-# Source first in every device call (from the repo root there): env, wheels, assets, `assemble`.
+# Source first in every remote call (from the repo root there): env, wheels, assets, `assemble`.
 export PYTHONUNBUFFERED=1 DFLASH_ASSETS=/tmp/a DFLASH_NO_PROGRESS=1 WANDB_MODE=disabled
 export TRANSFORMERS_VERBOSITY=warning
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

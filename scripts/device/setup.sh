@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare, on the dev machine (repo root), what a session's lent GPU machine needs that it lacks:
+# Prepare, on the dev machine (repo root), what the remote GPU machine needs that it lacks:
 # wheels (.whl/), the real GGUFs in <=62 MB chunks (.gl/, one chunk per call: a call carries at
 # most 64 MiB), HumanEval (.gpu/). All three folders are git-ignored. See README.md here.
 set -euo pipefail

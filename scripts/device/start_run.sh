@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call after the other chunks are up: copy the last chunk, assemble, start chain.sh in its
-# own session (it outlives the call while the machine stays warm), then wait like wait_run.sh.
+# Remote call after the other chunks are up: copy the last chunk, assemble, start chain.sh detached
+# with setsid (it outlives the call while the machine stays warm), then wait like wait_run.sh.
 #   EXP=smollm2_coder LAST=sm_01 BUDGET=20 EXTRA="data.num_samples=48000" bash scripts/device/start_run.sh
 #   CHAIN=grid.sh BUDGET=6 GRID="a:train.max_anchors=64;b:train.max_anchors=32" bash scripts/device/start_run.sh
 source scripts/device/env.sh
