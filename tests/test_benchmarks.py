@@ -1,4 +1,4 @@
-"""The device sessions measure with the scripts in benchmarks/: each must still run end to end
+"""The GPU figures are measured with the scripts in benchmarks/: each must still run end to end
 against the package (on CPU, the tiny shape) and report the figures its docs quote."""
 
 import json
