@@ -178,6 +178,16 @@ def test_compiled_layers_trace_a_hybrid_target(monkeypatch):
     batch = collate(_samples(target.vocab_size), pad_id=0)
     ref = target_forward(target, batch)
     target.compiled_layers = compiled = _compiled(target, monkeypatch)
+    # and the units the CUDA path compiles: a Gated-DeltaNet layer's MLP only (compiled whole,
+    # its fla kernels gave way to the torch fallback), every attention layer whole
+    units = CompiledLayers.units(target)
+    kinds = [type(u).__name__ for u in units]
+    assert len(units) == target.num_layers and "Qwen3_5DecoderLayer" in kinds
+    assert (
+        sum(k.endswith("MLP") for k in kinds)
+        == sum(hasattr(layer, "linear_attn") for layer in target.decoder_layers())
+        > 0
+    )
     try:
         got = target_forward(target, batch)
     finally:
