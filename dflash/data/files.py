@@ -45,16 +45,18 @@ def iter_conversations(cfg: DataConfig, log=print) -> Iterator[Conversation]:
     if not cfg.paths:
         raise ValueError(f"data.source={cfg.source} needs data.paths=[file, ...]")
     skips, n = SkipCounts(), 0
-    for row, where in iter_rows(cfg):
-        conv = normalize(row, cfg.format, cfg.prompt_field, cfg.turns, where, skips)
-        if conv is None:
-            continue
-        yield conv
-        n += 1
-        if n >= cfg.num_samples:
-            break
-    if skips.total:
-        log(f"data: skipped {skips.total} rows of {list(cfg.paths)} ({skips.summary()})")
+    try:
+        for row, where in iter_rows(cfg):
+            conv = normalize(row, cfg.format, cfg.prompt_field, cfg.turns, where, skips)
+            if conv is None:
+                continue
+            yield conv
+            n += 1
+            if n >= cfg.num_samples:
+                break
+    finally:  # also when the reader stops early: the rows skipped up to there
+        if skips.total:
+            log(f"data: skipped {skips.total} rows of {list(cfg.paths)} ({skips.summary()})")
     if not n:
         raise ValueError(
             f"data.paths {list(cfg.paths)} hold no rows (the dataset is empty"

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..config import FILE_SOURCES, EvalSetConfig, RunConfig
 from ..data.conversations import Conversation
-from ..data.files import read_conversations
+from ..data.files import iter_conversations, read_conversations
 from ..data.mix import source_config
 
 
@@ -63,13 +63,16 @@ def set_conversations(cfg: RunConfig, es: EvalSetConfig, log=print) -> list[Conv
     if not es.heldout:
         return read_conversations(set_data(cfg, es, num), log)[:num]
     seen = training_keys(cfg, _kinds(es.source))
-    pool = read_conversations(set_data(cfg, es, cfg.data.num_samples + num), log)
-    out = [c for c in pool if not is_known(c, seen)][:num]
+    out = []
+    for c in iter_conversations(set_data(cfg, es, 2**62), log):
+        if not is_known(c, seen):
+            out.append(c)
+            if len(out) == num:
+                break
     if not out:
         raise ValueError(
             f"eval.sets[{es.name}]: no held-out conversations left in {list(es.paths)}: training "
-            f"reads all of its first {len(pool)} rows; lower data.num_samples or give the set "
-            "other files"
+            "reads every one of them; lower data.num_samples or give the set other files"
         )
     return out
 
