@@ -18,7 +18,10 @@ from dflash.eval.heldout import check_eval_sets, set_conversations
 
 def _rows(path, ids, text=lambda i: f"question {i}"):
     rows = [
-        {"id": f"{i}", "conversations": [{"from": "human", "value": text(i)}, {"from": "gpt", "value": "a"}]}
+        {
+            "id": f"{i}",
+            "conversations": [{"from": "human", "value": text(i)}, {"from": "gpt", "value": "a"}],
+        }
         for i in ids
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -38,7 +41,9 @@ def test_an_eval_set_that_overlaps_training_is_refused_in_one_line(tmp_path):
     same = EvalSetConfig(name="chat", source="jsonl", paths=[train])
     with pytest.raises(ValueError) as e:
         check_eval_sets(_rc(train, [same]))
-    assert str(e.value).startswith("eval.sets[chat]: 3 of 3 conversations of") and "\n" not in str(e.value)
+    assert str(e.value).startswith("eval.sets[chat]: 3 of 3 conversations of") and "\n" not in str(
+        e.value
+    )
     # another id but the same content (a duplicate under a new id) is the same conversation
     dup = _rows(tmp_path / "dup.jsonl", [100, 101, 102], text=lambda i: f"question {i - 100 + 5}")
     with pytest.raises(ValueError, match="1 of 3 conversations"):
@@ -68,7 +73,9 @@ def test_an_eval_set_that_overlaps_training_is_refused_in_one_line(tmp_path):
         timeout=300,
     )
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert r.returncode == 2 and len(errors) == 1 and "eval.sets[chat]: 6 of 8" in errors[0], r.stderr[-800:]
+    assert r.returncode == 2 and len(errors) == 1 and "eval.sets[chat]: 6 of 8" in errors[0], (
+        r.stderr[-800:]
+    )
 
 
 def test_a_heldout_slice_holds_only_conversations_training_does_not_read(tmp_path):
@@ -90,7 +97,10 @@ def _fake_humaneval(root, n=3):
     (root / "humaneval").mkdir(parents=True, exist_ok=True)
     with gzip.open(root / "humaneval" / "HumanEval.jsonl.gz", "wt") as f:
         for i in range(n):
-            row = {"task_id": f"HumanEval/{i}", "prompt": f'def f{i}(x):\n    """Return x + {i}."""\n'}
+            row = {
+                "task_id": f"HumanEval/{i}",
+                "prompt": f'def f{i}(x):\n    """Return x + {i}."""\n',
+            }
             f.write(json.dumps(row) + "\n")
 
 
@@ -144,7 +154,15 @@ def test_each_turn_of_a_conversation_is_an_eval_prompt(tmp_path, tiny_llama):
     from dflash.eval.sets import build_named_set
 
     rows = [
-        {"id": "x", "messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "-"}, {"role": "user", "content": "two"}, {"role": "user", "content": "three"}]}
+        {
+            "id": "x",
+            "messages": [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "-"},
+                {"role": "user", "content": "two"},
+                {"role": "user", "content": "three"},
+            ],
+        }
     ]
     f = tmp_path / "c.jsonl"
     f.write_text(json.dumps(rows[0]) + "\n")
@@ -206,7 +224,12 @@ def test_a_mixed_multi_turn_run_reports_every_set_in_the_loop_and_in_eval_py(tmp
     ]
     env = {**os.environ, "DFLASH_ASSETS": str(tmp_path), "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
-        [sys.executable, "train.py", *over], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "train.py", *over],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
     run = tmp_path / "r"
@@ -243,5 +266,9 @@ def test_a_mixed_multi_turn_run_reports_every_set_in_the_loop_and_in_eval_py(tmp
     assert "eval sets code, chat" in r.stdout and "eval set chat:" in r.stdout
     rep = json.load(open(out))
     for name in ("code", "chat"):
-        assert rep["sets"][name]["summary"]["tau"] == pytest.approx(last[f"eval/{name}/tau"], abs=1e-9)
-        assert rep["summary"][f"{name}/tau@4"] == pytest.approx(last[f"eval/{name}/tau@4"], abs=1e-9)
+        assert rep["sets"][name]["summary"]["tau"] == pytest.approx(
+            last[f"eval/{name}/tau"], abs=1e-9
+        )
+        assert rep["summary"][f"{name}/tau@4"] == pytest.approx(
+            last[f"eval/{name}/tau@4"], abs=1e-9
+        )

@@ -147,20 +147,19 @@ def normalize(row, fmt: str, prompt_field: str, turns: str, where: str, skips: S
 
 
 def _turns(value, fmt: str, field: str, where: str) -> list[tuple[str, str]]:
-    """[(role, text)] of a ShareGPT / OpenAI list (either spelling of a turn's keys)."""
+    """[(role, text)] of a ShareGPT / OpenAI list; a turn may spell its keys either way."""
     rk, ck = TURN_KEYS[fmt]
     out = []
-    if isinstance(value, list) and value:
-        for t in value:
-            if not isinstance(t, dict):
-                break
-            role = t.get(rk, t.get(TURN_KEYS["openai" if fmt == "sharegpt" else "sharegpt"][0]))
-            text = t.get(ck, t.get(TURN_KEYS["openai" if fmt == "sharegpt" else "sharegpt"][1]))
-            if not (isinstance(role, str) and isinstance(text, str)):
-                break
-            out.append((role, text))
-        else:
-            return out
+    for t in value if isinstance(value, list) else ():
+        if not isinstance(t, dict):
+            break
+        role = t.get(rk, t.get("role" if rk == "from" else "from"))
+        text = t.get(ck, t.get("content" if ck == "value" else "value"))
+        if not (isinstance(role, str) and isinstance(text, str)):
+            break
+        out.append((role, text))
+    if out and len(out) == len(value):
+        return out
     raise ValueError(
         f"{where}: {field!r} must be a non-empty list of {{{rk!r}: str, {ck!r}: str}}, "
         f"got {json.dumps(value, default=str)[:80]}"

@@ -94,7 +94,7 @@ def iter_rows(cfg: DataConfig, key: str = "data.paths") -> Iterator[tuple[object
     """(row, where it is) for every row of every path, in order."""
     for path in resolve_paths(cfg.paths, key, hub_ok=cfg.source == "hf"):
         if cfg.source != "hf" and path.endswith(JSON_EXT):
-            yield from (json_rows if ".json" in _ext(path) else jsonl_rows)(path, cfg)
+            yield from (json_rows if _ext(path) == ".json" else jsonl_rows)(path, cfg)
         else:
             yield from arrow_rows(path, cfg)
 
@@ -130,6 +130,7 @@ def json_rows(path: str, cfg: DataConfig) -> Iterator[tuple[object, str]]:
         text = f.read()
     dec, i = json.JSONDecoder(), _skip_ws(text, 0)
     if not text.startswith("[", i):
+        del text  # one object a line: streamed instead
         yield from jsonl_rows(path, cfg)
         return
     i, line, counted = _skip_ws(text, i + 1), 1, 0

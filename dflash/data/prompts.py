@@ -31,10 +31,18 @@ class TokenTable:
 
     def _arrays(self):
         if self._flat is None:
-            self._flat = np.concatenate(self._parts) if self._parts else np.zeros(0, np.int32)
+            # part by part into one array, each part freed once copied: the peak stays near
+            # the table's size instead of twice it
+            flat = np.empty(sum(len(p) for p in self._parts), dtype=np.int32)
+            parts, o = self._parts[::-1], 0
+            self._parts = []
+            while parts:
+                p = parts.pop()
+                flat[o : o + len(p)] = p
+                o += len(p)
             lens = np.concatenate(self._lens) if self._lens else np.zeros(0, np.int64)
-            self._offsets = np.concatenate([[0], np.cumsum(lens)])
-            self._parts, self._lens = [self._flat], [lens]
+            self._flat, self._offsets = flat, np.concatenate([[0], np.cumsum(lens)])
+            self._parts, self._lens = [flat], [lens]
         return self._flat, self._offsets
 
     @property

@@ -80,8 +80,8 @@ def encode_turns(
         kept = [chunk[j][0] for j in keep]
         glues = _glues(kept, [ids[j] for j in keep], tokenizer, tcfg, max_length, turns)
         first.extend([ids[j] for j in keep])
+        glue.extend([row for g in glues for row in g])  # one part per chunk
         for c, g in zip(kept, glues):
-            glue.extend(g)
             starts.append(starts[-1] + len(g))
             users = len(c.user_indices()) if turns == "all" and not c.plain else 1
             stats["turns"] += 1 + len(g)
