@@ -177,41 +177,18 @@ def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:
 
 
 def build_samples(
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    max_length: int,
-    too_long: str,
-    id_offset: int = 0,
+    prompts: list[list[int]], responses: list[list[int]], max_length: int, too_long: str
 ) -> tuple[list[Sample], dict]:
-    samples, stats = [], {"truncated": 0, "dropped": 0, "empty_response": 0}
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids = list(p) + list(r)
-        mask = [False] * len(p) + [True] * len(r)
-        if not r:
-            stats["empty_response"] += 1
-            continue
-        if len(ids) > max_length:
-            if too_long == "drop":
-                stats["dropped"] += 1
-                continue
-            stats["truncated"] += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-            if not any(mask):
-                stats["dropped"] += 1
-                continue
-        samples.append(
-            Sample(
-                id_offset + i,
-                torch.tensor(ids, dtype=torch.long),
-                torch.tensor(mask, dtype=torch.bool),
-            )
-        )
-    if not samples:
-        raise ValueError(
-            f"the dataset is empty after filtering ({stats}); check data.paths, "
-            "data.max_length and data.too_long"
-        )
-    return samples, stats
+    """Single-turn samples (prompt + the target's response; loss on the response), as the
+    regeneration makes them (dflash.data.rounds.dialogue_samples)."""
+    from .prompts import TokenTable
+    from .rounds import dialogue_samples
+    from .turns import TurnPrompts
+
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    spans = [[(len(p), len(p) + len(r))] if r else [] for p, r in zip(prompts, responses)]
+    tp = TurnPrompts(TokenTable(prompts))
+    return dialogue_samples(tp, seqs, spans, [True] * len(seqs), max_length, too_long)
 
 
 # do not change what is regenerated (the static decoder's options: the same greedy tokens)
