@@ -160,6 +160,7 @@ def test_skipped_rows_are_counted_by_reason_in_the_log(tmp_path):
             ]
         },
         {"messages": [{"role": "function", "content": "x"}]},
+        {"id": "empty", "conversations": []},  # real ShareGPT dumps hold such rows
     ]
     f = _jsonl(tmp_path / "s.jsonl", rows)
     logs = []
@@ -167,8 +168,8 @@ def test_skipped_rows_are_counted_by_reason_in_the_log(tmp_path):
     # an empty answer of the dataset is never used under turns=all: that row is kept
     assert [c.messages[0]["content"] for c in convs] == ["Be brief.", "q"]
     assert logs == [
-        f"data: skipped 4 rows of [{f!r}] (unknown role 'tool': 1 (first at {f}:2), "
-        f"empty turn: 1 (first at {f}:3), no user turn: 1 (first at {f}:4), "
+        f"data: skipped 5 rows of [{f!r}] (no user turn: 2 (first at {f}:4), "
+        f"unknown role 'tool': 1 (first at {f}:2), empty turn: 1 (first at {f}:3), "
         f"unknown role 'function': 1 (first at {f}:6))"
     ]
     # under turns=last the dataset's own answers are the history: an empty one is skipped too
@@ -334,13 +335,13 @@ def test_no_anchor_and_no_loss_weight_on_user_turns_or_template_markers(tiny_qwe
     anchors = p.blocks.anchors_NA[p.blocks.valid_NA]
     rows = torch.arange(len(samples))[:, None].expand_as(p.blocks.anchors_NA)[p.blocks.valid_NA]
     assert tb.loss_mask_NT[rows, anchors].all()
-    loss = float(tr.forward_sums(tb, p)[0])
+    loss = float(tr.forward_sums(tb, p)[0].detach())
     other = tb.next_token_NT.clone()
     outside = ~tb.loss_mask_NT
     other[outside] = (other[outside] + 1) % (tiny_qwen.vocab_size - 1)
     tb2 = type(tb)(**{**vars(tb), "next_token_NT": other})
     p2 = tr.prepare(tb2, 0)
-    assert float(tr.forward_sums(tb2, p2)[0]) == loss
+    assert float(tr.forward_sums(tb2, p2)[0].detach()) == loss
     assert p.num_labels == p2.num_labels > 0
 
 

@@ -272,3 +272,22 @@ def test_a_mixed_multi_turn_run_reports_every_set_in_the_loop_and_in_eval_py(tmp
         assert rep["summary"][f"{name}/tau@4"] == pytest.approx(
             last[f"eval/{name}/tau@4"], abs=1e-9
         )
+
+
+def test_a_heldout_slice_of_a_mixed_source_starts_after_that_sources_share(tmp_path):
+    """With data.mix, training reads a file source up to its share of data.num_samples: the
+    held-out slice starts right after it (not after data.num_samples rows)."""
+    from dflash.config import MixSourceConfig
+
+    chat = _rows(tmp_path / "chat.jsonl", range(20))
+    mix = [
+        MixSourceConfig(name="chat", weight=0.5, paths=[chat]),
+        MixSourceConfig(name="code", weight=0.5, source="stdlib"),
+    ]
+    held = EvalSetConfig(name="chat", source="jsonl", paths=[chat], heldout=True, num_prompts=3)
+    rc = RunConfig(
+        target=TargetConfig(config={"model_type": "llama"}),
+        data=DataConfig(source="mix", mix=mix, num_samples=24),
+        eval=EvalConfig(sets=[held]),
+    )
+    assert [c.cid for c in set_conversations(rc, held)] == ["12", "13", "14"]

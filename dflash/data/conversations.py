@@ -142,6 +142,9 @@ def normalize(row, fmt: str, prompt_field: str, turns: str, where: str, skips: S
             skips.add("empty turn", where)
             return None
         return Conversation([{"role": "user", "content": value}], cid, plain=True)
+    if value == []:  # a conversation without turns (ShareGPT dumps hold some): nothing to ask
+        skips.add("no user turn", where)
+        return None
     messages = _turns(value, found, field, where)
     return _checked(messages, cid, turns, where, skips)
 

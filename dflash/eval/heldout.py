@@ -9,7 +9,7 @@ from dataclasses import replace
 from ..config import FILE_SOURCES, EvalSetConfig, RunConfig
 from ..data.conversations import Conversation
 from ..data.files import iter_conversations, read_conversations
-from ..data.mix import source_config
+from ..data.mix import mix_quotas, source_config
 
 
 def conversation_keys(convs) -> set[str]:
@@ -22,16 +22,17 @@ def is_known(c: Conversation, keys: set[str]) -> bool:
 
 
 def training_sources(cfg: RunConfig, kinds=FILE_SOURCES) -> list:
-    """The data configs of training's sources of these kinds (data.source, or data.mix's)."""
+    """The data configs of training's sources of these kinds (data.source, or data.mix's, each
+    with its share of data.num_samples: a mix that runs short only reads less)."""
     d = cfg.data
     if d.source == "mix":
-        return [source_config(d, m, d.num_samples) for m in d.mix if m.source in kinds]
+        quotas = mix_quotas([m.weight for m in d.mix], d.num_samples)
+        return [source_config(d, m, q) for m, q in zip(d.mix, quotas) if m.source in kinds and q]
     return [d] if d.source in kinds else []
 
 
 def training_keys(cfg: RunConfig, kinds=FILE_SOURCES) -> set[str]:
-    """Keys of every conversation training may read from its sources of these kinds (each up
-    to data.num_samples rows: at least its share of a mix)."""
+    """Keys of every conversation training may read from its sources of these kinds."""
     keys: set[str] = set()
     for d in training_sources(cfg, kinds):
         keys |= conversation_keys(read_conversations(d, lambda *_: None))
