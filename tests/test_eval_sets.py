@@ -291,3 +291,6 @@ def test_a_heldout_slice_of_a_mixed_source_starts_after_that_sources_share(tmp_p
         eval=EvalConfig(sets=[held]),
     )
     assert [c.cid for c in set_conversations(rc, held)] == ["12", "13", "14"]
+    # a mix names its eval prompts: refused at start without eval.sets or eval.source
+    with pytest.raises(ValueError, match="data.source=mix: name the eval prompts with eval.sets"):
+        check_eval_sets(RunConfig(data=rc.data, eval=EvalConfig()))

@@ -81,6 +81,11 @@ def set_conversations(cfg: RunConfig, es: EvalSetConfig, log=print) -> list[Conv
 def check_eval_sets(cfg: RunConfig) -> None:
     """Refuse, in one line, a named eval set (not heldout) with a conversation that training
     also reads; the held-out slices are disjoint by construction."""
+    if cfg.eval.enabled and cfg.data.source == "mix" and not (cfg.eval.sets or cfg.eval.source):
+        raise ValueError(
+            "data.source=mix: name the eval prompts with eval.sets (e.g. a held-out slice of one "
+            "source: {name: chat, source: jsonl, paths: [...], heldout: true}) or eval.source"
+        )
     explicit = [s for s in cfg.eval.sets if s.source in FILE_SOURCES and not s.heldout]
     if not cfg.eval.enabled or not explicit or not training_sources(cfg):
         return
