@@ -78,3 +78,14 @@ def test_bench_target_reports_the_forward(tmp_path):
     )
     assert res["tokens_per_s"] > 0 and 0 < res["fraction_of_peak"]
     assert "s_per_forward_compiled" not in res  # compile_layers is CUDA-only: CPU runs eager
+
+
+def test_bench_data_reads_and_encodes_conversations(tmp_path):
+    res = run_bench(
+        "bench_data",
+        ["--conversations", "300", "--tokenizer", "bytes", "--max-length", "4096"],
+        tmp_path,
+    )
+    assert res["conversations"] == 300 and res["user_turns_encoded"] > 300
+    assert res["peak_rss_mb"] >= res["rss_before_mb"] and res["conversations_per_cpu_s"] > 0
+    assert res["token_tables_mb"] > 0

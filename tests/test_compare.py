@@ -36,3 +36,16 @@ def test_table_lists_differing_settings_and_final_figures(tmp_path):
     assert a == ["a", "2", "20", "9.8", "1.50", "0.600", "200", "2.500", "3.000 @64"]
     b = [c.strip() for c in lines[3].strip("|").split("|")]
     assert b[1] == "4" and b[3] == "-" and b[-2:] == ["3.000", "3.500 @64"]
+
+
+def test_runs_with_eval_sets_show_each_sets_tau(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "run_config.json").write_text(json.dumps({"run_name": "s", "train": {}}))
+    rows = [
+        {"step": 5, "train/loss": 1.0, "train/acc": 0.5, "perf/tokens_per_s": 10.0},
+        {"step": 5, "eval/code/tau": 3.25, "eval/chat/tau": 2.5, "eval/chat/tau@4": 2.75},
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cells = [c.strip() for c in table([str(d)]).splitlines()[2].strip("|").split("|")]
+    assert cells[-2] == "chat 2.500, code 3.250"

@@ -43,7 +43,7 @@ def test_malformed_jsonl_line_names_file_and_true_line(tmp_path):
         ('["a", "b"]', "a row must be a JSON object"),
         ('{"messages": "hi"}', "'messages' must be a non-empty list of {'role': str"),
         ('{"messages": [{"role": "user", "content": 5}]}', "'messages' must be a non-empty list"),
-        ('{"messages": []}', "'messages' must be a non-empty list"),
+        ('{"messages": {}}', "'messages' must be a non-empty list"),
     ],
 )
 def test_wrong_row_types_name_file_line_and_expected_type(tmp_path, row, expect):

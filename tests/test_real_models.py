@@ -211,3 +211,75 @@ def test_coder_recipe_runs_on_its_budget_and_scores_humaneval(tmp_path):
     s = json.load(open(out))["summary"]
     assert s["tau"] == pytest.approx(last["eval/tau"], abs=1e-9)
     assert s["tau@4"] == pytest.approx(last["eval/tau@4"], abs=1e-9)
+
+
+SHAREGPT = os.path.join(assets_dir(), "sharegpt", "sharegpt.jsonl")
+
+
+@needs_smol
+@needs_humaneval
+@pytest.mark.skipif(
+    not os.path.exists(SHAREGPT),
+    reason=f"{SHAREGPT} absent: run `bash ../shared/scripts/fetch_models.sh sharegpt`",
+)
+def test_smollm2_on_sharegpt_conversations_every_turn_and_per_set_eval(tmp_path):
+    """SmolLM2-135M on 64 ShareGPT conversations, every user turn answered by the target after
+    its own earlier answers (data.turns=all), evaluated per set: HumanEval and held-out ShareGPT
+    conversations (each turn); eval.py reproduces both sets' last in-loop figures."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    over = [
+        "target=smollm2_135m",
+        "target.device=cpu",
+        "target.dtype=float32",
+        "data=sharegpt",
+        "data.num_samples=64",
+        "data.response_len=12",
+        "data.max_length=320",
+        "data.regen_batch_size=16",
+        "eval.completion_len=16",
+        "eval.budgets=[4]",
+        "eval.batch_size=8",
+        "eval.sets=[{name: humaneval, source: humaneval, num_prompts: 3}, {name: sharegpt, "
+        f"source: jsonl, paths: [{SHAREGPT}], heldout: true, turns: each, num_prompts: 2}}]",
+        "drafter.num_layers=1",
+        "drafter.layer_types=[full_attention]",
+        "drafter.rope_theta=100000.0",
+        "train.steps=6",
+        "train.micro_batch_size=4",
+        "train.max_anchors=8",
+        "train.log_every=3",
+        "train.eval_every=6",
+        "train.save_every=6",
+        f"out_root={tmp_path}",
+        "run_name=r",
+        "logger=console",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1"}
+    r = subprocess.run(
+        [sys.executable, "train.py", *over], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    log = (tmp_path / "r" / "train.log").read_text()
+    turns = int(log.split(" user turns answered in order")[0].rsplit("; ", 1)[1])
+    assert turns > 64  # conversations of several turns: more answers than conversations
+    rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
+    last = [x for x in rows if "eval/humaneval/tau" in x][-1]
+    assert last["step"] == 6 and last["eval/humaneval/num_prompts"] == 3
+    assert last["eval/sharegpt/num_prompts"] >= 2  # each turn of two held-out conversations
+    ck = tmp_path / "r" / "checkpoints" / "step_00000006"
+    out = tmp_path / "rep.json"
+    r = subprocess.run(
+        [sys.executable, "eval.py", f"ckpt={ck}", f"out={out}", f"eval_dir={tmp_path}/ev"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.load(open(out))["sets"]
+    for name in ("humaneval", "sharegpt"):
+        assert rep[name]["summary"]["tau"] == pytest.approx(last[f"eval/{name}/tau"], abs=1e-9)

@@ -121,9 +121,11 @@ def keep_metrics_until(run_dir: str, step: int) -> None:
         f.truncate(keep)
 
 
-def write_run_config(cfg: RunConfig, run_dir: str) -> None:
+def write_run_config(cfg: RunConfig, run_dir: str, extra: dict | None = None) -> None:
+    """The resolved config, plus `extra` figures of the run's data (data_mix: each mix source's
+    share of samples and tokens)."""
     path = os.path.join(run_dir, "run_config.json")
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
+        json.dump({**dataclasses.asdict(cfg), **(extra or {})}, f, indent=2, default=str)
     os.replace(tmp, path)

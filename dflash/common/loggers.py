@@ -38,8 +38,9 @@ class Logger:
     def summary(self, metrics: dict) -> None:
         pass
 
-    def log_eval(self, reports: list, step: int) -> None:
-        """Per-prompt eval reports (dflash.eval.metrics.PromptReport) of the eval at `step`."""
+    def log_eval(self, reports: list, step: int, name: str = "") -> None:
+        """Per-prompt eval reports (dflash.eval.metrics.PromptReport) of the eval at `step`, of
+        the eval set `name` ("" for the one unnamed set)."""
 
     def log_checkpoint(self, path: str, step: int) -> None:
         """A checkpoint directory just written at `step`."""
@@ -56,6 +57,12 @@ class ConsoleLogger(Logger):
         if not self.rank0:
             return
         parts = [f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        # the named eval sets (eval.sets): eval/<set>/tau as <set>.tau
+        parts += [
+            f"{k.split('/')[1]}.{k.split('/')[2]}={metrics[k]:.4g}"
+            for k in metrics
+            if k.count("/") == 2 and k.startswith("eval/") and k.endswith(("/streak", "/tau"))
+        ]
         if parts:
             print(f"step {step:>6d} | " + " ".join(parts), flush=True)
 
@@ -81,6 +88,17 @@ class WandbLogger(ConsoleLogger):
     docs/wandb_workspace.json (applied with `python -m dflash.tools.wandb_workspace`)."""
 
     NAMESPACES = ("train", "eval", "perf", "pipe", "data")
+
+    @staticmethod
+    def wandb_key(key: str) -> str:
+        """A named eval set's figures get a panel section of their own: wandb groups panels by
+        the first segment of a key, so eval/<set>/tau is logged as eval-<set>/tau."""
+        parts = key.split("/")
+        return (
+            f"eval-{parts[1]}/{'/'.join(parts[2:])}"
+            if parts[0] == "eval" and len(parts) > 2
+            else key
+        )
 
     def __init__(
         self, cfg: LoggerConfig, run_dir: str, run_name: str, config: dict, rank0: bool = True
@@ -111,6 +129,7 @@ class WandbLogger(ConsoleLogger):
         self.run.define_metric("trainer/step")
         for prefix in self.NAMESPACES:
             self.run.define_metric(f"{prefix}/*", step_metric="trainer/step")
+        self.run.define_metric("eval-*", step_metric="trainer/step")
         self.info(
             f"wandb: {mode} run in {run_dir}/wandb"
             + (" (sync later: `wandb sync`)" if mode == "offline" else "")
@@ -119,18 +138,21 @@ class WandbLogger(ConsoleLogger):
     def _log(self, metrics: dict, step: int) -> None:
         super()._log(metrics, step)
         if self.run is not None:
-            self.run.log({"trainer/step": step, **metrics})
+            self.run.log(
+                {"trainer/step": step, **{self.wandb_key(k): v for k, v in metrics.items()}}
+            )
 
-    def log_eval(self, reports: list, step: int) -> None:
+    def log_eval(self, reports: list, step: int, name: str = "") -> None:
         if self.run is None or not reports:
             return
         from .wandb_media import acceptance_histogram, eval_table
 
+        section = f"eval-{name}" if name else "eval"
         self.run.log(
             {
                 "trainer/step": step,
-                "eval/prompts": eval_table(reports, step),
-                "eval/accepted_hist": acceptance_histogram(reports),
+                f"{section}/prompts": eval_table(reports, step),
+                f"{section}/accepted_hist": acceptance_histogram(reports),
             }
         )
 
@@ -145,7 +167,7 @@ class WandbLogger(ConsoleLogger):
 
     def summary(self, metrics: dict) -> None:
         if self.run is not None:
-            self.run.summary.update(metrics)
+            self.run.summary.update({self.wandb_key(k): v for k, v in metrics.items()})
 
     def close(self) -> None:
         super().close()

@@ -30,6 +30,18 @@ def series(rows: list[dict], key: str):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def eval_set_keys(rows: list[dict], metric: str) -> list[str]:
+    """eval/<set>/<metric> of every named eval set in the rows."""
+    return sorted(
+        {
+            k
+            for r in rows
+            for k in r
+            if k.startswith("eval/") and k.count("/") == 2 and k.endswith("/" + metric)
+        }
+    )
+
+
 def plot_run(run_dir: str, out: str | None = None) -> str:
     import matplotlib
 
@@ -56,6 +68,8 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
         key=lambda k: int(k.split("@")[1]),
     ):
         ax.plot(*series(rows, k), marker=".", label=k)
+    for k in eval_set_keys(rows, "tau"):  # eval.sets: one chain tau line per set
+        ax.plot(*series(rows, k), marker="o", label=f"tau {k.split('/')[1]}")
     (
         ax.set_xlabel("step"),
         ax.set_title("acceptance length (greedy, exact offline)"),

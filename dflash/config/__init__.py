@@ -1,8 +1,13 @@
 """Typed configuration: one dataclass schema per Hydra config group, checked at composition and
 validated once below the entry points (`to_run_config`)."""
 
-from .data import DATA_SOURCES, DataConfig  # data: prompts and regeneration
-from .eval import EvalConfig  # eval: the in-loop and eval.py evaluation
+from .data import (  # data: prompts, regeneration
+    DATA_SOURCES,
+    FILE_SOURCES,
+    DataConfig,
+    MixSourceConfig,
+)
+from .eval import EvalConfig, EvalSetConfig  # eval: the in-loop and eval.py evaluation
 from .model import DTYPES, LAYER_TYPES, LINEAR_ATTN_BACKENDS, DrafterConfig, TargetConfig
 from .run import (  # the root schema, its Hydra registration and the one conversion
     BACKENDS,

@@ -7,18 +7,46 @@ from dataclasses import dataclass, field
 
 from .checks import check_choice, check_positive
 
-DATA_SOURCES = ("selfgen", "jsonl", "parquet", "stdlib", "humaneval")
+DATA_SOURCES = ("selfgen", "jsonl", "parquet", "hf", "stdlib", "humaneval", "mix")
+FILE_SOURCES = ("jsonl", "parquet", "hf")  # rows read from data.paths
+FORMATS = ("auto", "sharegpt", "openai", "prompt")
+TURNS = ("all", "first", "last")
+
+
+@dataclass
+class MixSourceConfig:
+    name: str = ""  # the source's name in the log and run config (its share of samples and tokens)
+    weight: float = 1.0  # share of the samples (weights are normalised over data.mix)
+    source: str = "jsonl"  # as data.source: jsonl | parquet | hf | stdlib
+    paths: list[str] = field(default_factory=list)  # as data.paths
+    format: str = "auto"  # as data.format
+    prompt_field: str = "prompt"  # as data.prompt_field
+    code_dirs: list[str] = field(default_factory=list)  # as data.code_dirs (source=stdlib)
 
 
 @dataclass
 class DataConfig:
     # selfgen: random prompts, the target's own greedy responses (tiny targets, smoke runs).
-    # jsonl / parquet: prompts from local files (`prompt` or `messages` field).
-    # stdlib: functions/classes of the CPython standard library turned into completion prompts.
+    # jsonl / parquet / hf: prompts or conversations from local files (docs/data.md: ShareGPT,
+    # OpenAI messages, plain prompts; hf: a `save_to_disk` directory, json/jsonl/parquet/arrow
+    # files read by `datasets`, or a hub name). stdlib: functions/classes of the CPython standard
+    # library turned into completion prompts. mix: the named sources of data.mix.
     source: str = "selfgen"
-    paths: list[str] = field(default_factory=list)  # jsonl/parquet files (globs)
+    paths: list[str] = field(default_factory=list)  # jsonl/parquet/hf files (globs) or directories
     code_dirs: list[str] = field(default_factory=list)  # stdlib: more *.py dirs, `site-packages`
     prompt_field: str = "prompt"  # row field with the prompt
+    # Row format: auto (each row by its fields: `conversations` ShareGPT, `messages` OpenAI,
+    # data.prompt_field a plain prompt) | sharegpt | openai | prompt (every row must be that one)
+    format: str = "auto"
+    # Conversations with several user turns: all (the target answers every user turn in order,
+    # each after its own earlier answers; one sample per conversation, cut at turn boundaries to
+    # data.max_length) | first (the first user turn only) | last (the last user turn, after the
+    # row's own earlier turns)
+    turns: str = "all"
+    # data.source=mix: named sources and their weights (shares of data.num_samples), e.g.
+    # [{name: sharegpt, weight: 0.7, source: jsonl, paths: [...]}, {name: code, weight: 0.3, source: stdlib}]
+    mix: list[MixSourceConfig] = field(default_factory=list)
+    hf_split: str = "train"  # data.source=hf: the split of a hub dataset or a saved DatasetDict
     num_samples: int = 256  # samples to (re)generate
     prompt_len: int = 16  # selfgen prompt tokens
     response_len: int = 64  # max response tokens
@@ -36,15 +64,28 @@ class DataConfig:
     # The drafter's masks keep samples apart; the target packs its own (packed_capture).
     pack_to: int | None = None
 
+    def __post_init__(self) -> None:
+        # a run config read back from JSON (eval.py) or Hydra's containers hold plain dicts
+        self.mix = [MixSourceConfig(**m) if isinstance(m, dict) else m for m in self.mix]
+
     def validate(self) -> None:
         check_choice("data.source", self.source, DATA_SOURCES)
         check_choice("data.too_long", self.too_long, ("truncate", "drop"))
-        if self.source in ("jsonl", "parquet") and not self.paths:
+        check_choice("data.format", self.format, FORMATS)
+        check_choice("data.turns", self.turns, TURNS)
+        if self.source in FILE_SOURCES and not self.paths:
             raise ValueError(
                 f"data.paths is empty for data.source={self.source}: set "
-                "data.paths=[/path/prompts.jsonl] (rows with a 'prompt' or 'messages' "
-                "field), or data=selfgen for the target's own text on random prompts"
+                "data.paths=[/path/prompts.jsonl] (ShareGPT, OpenAI messages or prompt rows: "
+                "docs/data.md), or data=selfgen for the target's own text on random prompts"
             )
+        if (self.source == "mix") != bool(self.mix):
+            raise ValueError(
+                "data.mix needs data.source=mix and data.source=mix needs data.mix: set both "
+                "(data.source=mix data.mix=[{name: a, weight: 0.7, source: jsonl, paths: [...]}, "
+                "...]) or neither"
+            )
+        self._validate_mix()
         check_positive(
             "data.regen_time_limit_min", self.regen_time_limit_min, " minutes (null: all)"
         )
@@ -54,3 +95,22 @@ class DataConfig:
                 f"{self.max_length}: a full-length sample would not fit in a row; "
                 "set data.pack_to >= data.max_length or null (no packing)"
             )
+
+    def _validate_mix(self) -> None:
+        names = [m.name for m in self.mix]
+        for i, m in enumerate(self.mix):
+            key = f"data.mix[{i}]"
+            if not m.name or not m.name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(
+                    f"{key}.name={m.name!r}: give each source a name of letters, digits, _ or -"
+                )
+            if m.name in names[:i]:
+                raise ValueError(f"{key}.name={m.name!r} is used twice; names must be unique")
+            check_choice(f"{key}.source", m.source, ("jsonl", "parquet", "hf", "stdlib"))
+            check_choice(f"{key}.format", m.format, FORMATS)
+            if not m.weight > 0:
+                raise ValueError(
+                    f"{key}.weight must be > 0 (a share of the samples), got {m.weight}"
+                )
+            if m.source in FILE_SOURCES and not m.paths:
+                raise ValueError(f"{key}.paths is empty for source={m.source}: name its files")

@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import io
 import tokenize
+import typing
 
 from .run import GROUPS, RunConfig
 
@@ -69,5 +70,11 @@ def rows():
         if f.name not in GROUPS:
             yield f.name, str(f.type), _default(f), docs["RunConfig"].get(f.name, "")
     for group, cls in GROUPS.items():
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             yield f"{group}.{f.name}", str(f.type), _default(f), docs[cls.__name__].get(f.name, "")
+            item = typing.get_args(hints[f.name])
+            if item and dataclasses.is_dataclass(item[0]):  # a list of items: each item's keys
+                for g in dataclasses.fields(item[0]):
+                    doc = docs[item[0].__name__].get(g.name, "")
+                    yield f"{group}.{f.name}[].{g.name}", str(g.type), _default(g), doc

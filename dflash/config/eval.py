@@ -4,6 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .checks import check_choice
+from .data import FORMATS
+
+EVAL_SET_SOURCES = ("humaneval", "jsonl", "parquet", "hf", "stdlib", "selfgen")
+
+
+@dataclass
+class EvalSetConfig:
+    name: str = ""  # the set's figures: eval/<name>/tau, ... (console, metrics.jsonl, wandb, plot)
+    source: str = "humaneval"  # humaneval | jsonl | parquet | hf (a prompt or conversation file) | stdlib | selfgen
+    paths: list[str] = field(default_factory=list)  # the set's files (jsonl / parquet / hf)
+    format: str = "auto"  # as data.format
+    # false: the rows as given (refused at start when one is also a training conversation, by id
+    # or content hash); true: the rows of this source that training does not use (a held-out slice)
+    heldout: bool = False
+    # first: the first user turn of each conversation | each: every user turn, each after the
+    # target's own greedy answers to the earlier ones
+    turns: str = "first"
+    num_prompts: int | None = None  # prompts of this set (None: eval.num_prompts)
+
 
 @dataclass
 class EvalConfig:
@@ -24,8 +44,17 @@ class EvalConfig:
     # == AR (dflash.eval.speed), and sampled at each temperature (dflash.eval.decode)
     real_decode_prompts: int = 0
     decode_tree_budgets: list[int] = field(default_factory=lambda: [64])  # its DDTree budgets
+    # Named eval sets, each evaluated and reported on its own (eval/<name>/tau ...), e.g.
+    # [{name: humaneval, source: humaneval}, {name: chat, source: jsonl, paths: [...], heldout: true}].
+    # Empty: one set from eval.source / eval.paths (eval/tau ...)
+    sets: list[EvalSetConfig] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # a run config read back from JSON (eval.py) or Hydra's containers hold plain dicts
+        self.sets = [EvalSetConfig(**s) if isinstance(s, dict) else s for s in self.sets]
 
     def validate(self) -> None:
+        self._validate_sets()
         if self.real_decode_prompts < 0:
             raise ValueError(
                 f"eval.real_decode_prompts must be >= 0, got {self.real_decode_prompts}"
@@ -40,3 +69,22 @@ class EvalConfig:
             raise ValueError(
                 f"eval.top_p={self.top_p} must be in (0, 1] and eval.top_k={self.top_k} >= 0"
             )
+
+    def _validate_sets(self) -> None:
+        names = [s.name for s in self.sets]
+        for i, s in enumerate(self.sets):
+            key = f"eval.sets[{i}]"
+            if not s.name or not s.name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(
+                    f"{key}.name={s.name!r}: name each eval set with letters, digits, _ or - "
+                    "(its figures are eval/<name>/tau, ...)"
+                )
+            if s.name in names[:i]:
+                raise ValueError(f"{key}.name={s.name!r} is used twice; names must be unique")
+            check_choice(f"{key}.source", s.source, EVAL_SET_SOURCES)
+            check_choice(f"{key}.format", s.format, FORMATS)
+            check_choice(f"{key}.turns", s.turns, ("first", "each"))
+            if s.source in ("jsonl", "parquet", "hf") and not s.paths:
+                raise ValueError(f"{key}.paths is empty for source={s.source}: name its files")
+            if s.num_prompts is not None and s.num_prompts < 1:
+                raise ValueError(f"{key}.num_prompts must be >= 1 or null, got {s.num_prompts}")

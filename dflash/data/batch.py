@@ -26,7 +26,8 @@ def round_up(x: int, m: int) -> int:
 class Sample:
     sample_id: int
     input_ids: torch.Tensor  # [L] long: prompt + response
-    loss_mask: torch.Tensor  # [L] bool: True on response tokens
+    loss_mask: torch.Tensor  # [L] bool: True on response tokens (the target's answers)
+    source: int = 0  # index of its source in data.mix (0 without a mix)
 
 
 @dataclass

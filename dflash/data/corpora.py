@@ -266,3 +266,9 @@ def check_training_source(source: str, paths=()) -> None:
                 f"data.paths contains {p}, which looks like HumanEval: it is held out for "
                 "evaluation (eval.source=humaneval) and never used as training data"
             )
+
+
+def check_training_sources(dcfg) -> None:
+    """check_training_source for data.source, or for each source of data.mix."""
+    for source, paths in [(m.source, m.paths) for m in dcfg.mix] or [(dcfg.source, dcfg.paths)]:
+        check_training_source(source, paths)

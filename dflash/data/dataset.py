@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 
 from ..config import DataConfig, TargetConfig
 from .batch import Sample
-from .prompts import build_prompts, drop_long_prompts
 from .shards import ResponseShards, atomic_torch_save, pack_samples, unpack_samples
 
 
@@ -48,7 +47,8 @@ def generate_greedy(
     # Batches of similar lengths: left padding (and a static cache as long as the longest
     # prompt) cost little; the responses come back in the prompts' order.
     order = _regen_order(prompts, batch_size, seed)
-    ordered = [prompts[j] for j in order]
+    # a TokenTable (dflash.data.prompts) stays flat: rows become lists a batch at a time
+    ordered = prompts.take(order) if hasattr(prompts, "take") else [prompts[j] for j in order]
     key = _regen_key(ordered, max_new_tokens, batch_size, temperature, seed)
     shards = ResponseShards(partial_path) if partial_path else None
     done = []
@@ -100,7 +100,8 @@ def _regen_order(prompts: list[list[int]], batch_size: int, seed: int) -> list[i
     """Prompt indices in regeneration order: batches of prompts of similar length (sorted, then
     cut), the batches in a seeded random order, so a regeneration cut short by its time limit
     has a random subset of the prompts, not the shortest ones."""
-    by_len = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+    lens = prompts.lengths if hasattr(prompts, "lengths") else [len(p) for p in prompts]
+    by_len = sorted(range(len(prompts)), key=lambda j: lens[j])
     full = len(by_len) // batch_size  # a short last batch stays last: batches are cut every
     batches = [by_len[i * batch_size : (i + 1) * batch_size] for i in range(full)]  # batch_size
     perm = torch.randperm(full, generator=torch.Generator().manual_seed(seed)).tolist()
@@ -176,51 +177,34 @@ def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:
 
 
 def build_samples(
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    max_length: int,
-    too_long: str,
-    id_offset: int = 0,
+    prompts: list[list[int]], responses: list[list[int]], max_length: int, too_long: str
 ) -> tuple[list[Sample], dict]:
-    samples, stats = [], {"truncated": 0, "dropped": 0, "empty_response": 0}
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        ids = list(p) + list(r)
-        mask = [False] * len(p) + [True] * len(r)
-        if not r:
-            stats["empty_response"] += 1
-            continue
-        if len(ids) > max_length:
-            if too_long == "drop":
-                stats["dropped"] += 1
-                continue
-            stats["truncated"] += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-            if not any(mask):
-                stats["dropped"] += 1
-                continue
-        samples.append(
-            Sample(
-                id_offset + i,
-                torch.tensor(ids, dtype=torch.long),
-                torch.tensor(mask, dtype=torch.bool),
-            )
-        )
-    if not samples:
-        raise ValueError(
-            f"the dataset is empty after filtering ({stats}); check data.paths, "
-            "data.max_length and data.too_long"
-        )
-    return samples, stats
+    """Single-turn samples (prompt + the target's response; loss on the response), as the
+    regeneration makes them (dflash.data.rounds.dialogue_samples)."""
+    from .prompts import TokenTable
+    from .rounds import dialogue_samples
+    from .turns import TurnPrompts
+
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    spans = [[(len(p), len(p) + len(r))] if r else [] for p, r in zip(prompts, responses)]
+    tp = TurnPrompts(TokenTable(prompts))
+    return dialogue_samples(tp, seqs, spans, [True] * len(seqs), max_length, too_long)
 
 
 # do not change what is regenerated (the static decoder's options: the same greedy tokens)
 _NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
+# keys of conversation rows: they change nothing for the random and built-in sources (whose
+# caches therefore keep their names)
+_ROW_KEYS = ("format", "turns", "mix", "hf_split")
 
 
 def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
+    skip = _NOT_IN_FINGERPRINT + (
+        _ROW_KEYS if dcfg.source in ("selfgen", "stdlib", "humaneval") else ()
+    )
     key = json.dumps(
         {
-            "data": {k: v for k, v in vars(dcfg).items() if k not in _NOT_IN_FINGERPRINT},
+            "data": {k: v for k, v in vars(dcfg).items() if k not in skip},
             "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
             "extra": extra,
         },
@@ -238,13 +222,14 @@ def load_or_build_dataset(
     dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str, log=print
 ) -> list[Sample]:
     """Prompts -> the target's own responses -> samples; cached by a fingerprint of the configs."""
-    from .corpora import check_training_source
+    from .corpora import check_training_sources
 
-    check_training_source(dcfg.source, dcfg.paths)
+    check_training_sources(dcfg)
     path = dataset_path(dcfg, tcfg, cache_dir)
     if os.path.exists(path):
         samples = load_samples(path)
         log(f"data: {len(samples)} samples from cache {path}")
+        _log_mix(samples, dcfg, log)
         return samples
     return regenerate_dataset(dcfg, tcfg, target, path, log)
 
@@ -253,44 +238,30 @@ def regenerate_dataset(
     dcfg: DataConfig, tcfg: TargetConfig, target, path: str, log=print
 ) -> list[Sample]:
     """Regenerate responses with the target and write the samples to `path` (resumable through
-    `path + '.partial'`)."""
-    from .corpora import check_training_source
+    `path + '.partial'`; the later turns of conversations through `path + '.turnK.partial'`)."""
+    from .corpora import check_training_sources
+    from .rounds import regenerate_turns, turn_prompts
 
-    check_training_source(dcfg.source, dcfg.paths)
+    check_training_sources(dcfg)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     t0 = time.perf_counter()
-    prompts, num_long = drop_long_prompts(build_prompts(dcfg, tcfg, target), dcfg.max_length)
+    tp = turn_prompts(dcfg, tcfg, target, log)
     t_prompts = time.perf_counter() - t0
-    if not prompts:
+    if not len(tp):
         raise ValueError(
             f"the dataset is empty: every prompt has >= data.max_length={dcfg.max_length} "
             "tokens; raise data.max_length or use shorter prompts"
         )
+    turns = tp.stats.get("turns", len(tp))
     log(
-        f"data: regenerating {len(prompts)} responses (source {dcfg.source}, up to {dcfg.response_len} "
+        f"data: regenerating {len(tp)} responses (source {dcfg.source}, up to {dcfg.response_len} "
         f"tokens each, chat_template={tcfg.chat_template}, enable_thinking={tcfg.enable_thinking}; "
         f"prompts built and tokenized in {t_prompts:.1f} s)"
+        + (f"; {turns} user turns answered in order (data.turns=all)" if turns > len(tp) else "")
     )
-    responses = generate_greedy(
-        target,
-        prompts,
-        dcfg.response_len,
-        dcfg.regen_batch_size,
-        dcfg.regen_temperature,
-        partial_path=path + ".partial",
-        seed=dcfg.seed,
-        log=log,
-        time_limit_s=None if dcfg.regen_time_limit_min is None else 60 * dcfg.regen_time_limit_min,
-        static_kw={"compact": dcfg.regen_compact, "compile": dcfg.regen_compile},
-    )
-    reached = [(p, r) for p, r in zip(prompts, responses) if r is not None]
-    samples, stats = build_samples(
-        [p for p, _ in reached], [r for _, r in reached], dcfg.max_length, dcfg.too_long
-    )
-    stats["prompt_too_long"] = num_long
-    if len(reached) < len(prompts):
-        stats["not_reached_in_time"] = len(prompts) - len(reached)
+    samples, stats, partials = regenerate_turns(dcfg, target, tp, path, generate_greedy, log)
     log(f"data: {len(samples)} samples regenerated by the target ({_fmt_stats(stats)})")
+    _log_mix(samples, dcfg, log)
     # The drafter's mask token should never be text: a real tokenizer's mask/reserved token
     # never is, but a random target can emit any id.
     n_mask = sum(bool((s.input_ids == target.mask_token_id).any()) for s in samples)
@@ -301,8 +272,16 @@ def regenerate_dataset(
             "target.mask_token_id that never occurs in text)"
         )
     atomic_torch_save(pack_samples(samples), path)
-    ResponseShards(path + ".partial").remove()
+    for partial in partials:
+        ResponseShards(partial).remove()
     return samples
+
+
+def _log_mix(samples: list[Sample], dcfg: DataConfig, log) -> None:
+    if dcfg.mix:
+        from .mix import mix_line, mix_report
+
+        log(mix_line(mix_report(samples, dcfg)))
 
 
 def _fmt_stats(stats: dict) -> str:

@@ -5,10 +5,78 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
-from ..config import DataConfig, TargetConfig
-from .files import text_prompts
+from ..config import TargetConfig
+
+
+class TokenTable:
+    """Rows of token ids in one flat int32 array with offsets: a million prompts cost their
+    tokens (4 bytes each), not a Python list and int objects per prompt. Indexing gives a row
+    as a list; a slice gives a list of rows (what a regeneration batch needs)."""
+
+    def __init__(self, rows: Iterable = ()):
+        self._parts: list[np.ndarray] = []
+        self._lens: list[np.ndarray] = []
+        self._flat = self._offsets = None
+        self.extend(rows)
+
+    def extend(self, rows: Iterable) -> None:
+        rows = [np.asarray(r, dtype=np.int32) for r in rows]
+        if rows:
+            self._parts.append(np.concatenate(rows))
+            self._lens.append(np.array([len(r) for r in rows], dtype=np.int64))
+            self._flat = None
+
+    def _arrays(self):
+        if self._flat is None:
+            # part by part into one array, each part freed once copied: the peak stays near
+            # the table's size instead of twice it
+            flat = np.empty(sum(len(p) for p in self._parts), dtype=np.int32)
+            parts, o = self._parts[::-1], 0
+            self._parts = []
+            while parts:
+                p = parts.pop()
+                flat[o : o + len(p)] = p
+                o += len(p)
+            lens = np.concatenate(self._lens) if self._lens else np.zeros(0, np.int64)
+            self._flat, self._offsets = flat, np.concatenate([[0], np.cumsum(lens)])
+            self._parts, self._lens = [flat], [lens]
+        return self._flat, self._offsets
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self._arrays()[1])
+
+    def __len__(self) -> int:
+        return len(self._arrays()[1]) - 1
+
+    def __getitem__(self, i):
+        flat, off = self._arrays()
+        if isinstance(i, slice):
+            return [flat[off[j] : off[j + 1]].tolist() for j in range(*i.indices(len(self)))]
+        return flat[off[i] : off[i + 1]].tolist()
+
+    def __iter__(self):
+        return (self[j] for j in range(len(self)))
+
+    def take(self, idx) -> TokenTable:
+        """The rows `idx` (in that order) as a new table."""
+        flat, off = self._arrays()
+        idx = np.asarray(idx, dtype=np.int64)
+        out = TokenTable()
+        if len(idx):
+            lens = off[idx + 1] - off[idx]
+            starts = np.repeat(off[idx] - np.concatenate([[0], np.cumsum(lens)[:-1]]), lens)
+            out._parts = [flat[starts + np.arange(int(lens.sum()))]]
+            out._lens = [lens]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        flat, off = self._arrays()
+        return flat.nbytes + off.nbytes
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -63,21 +131,6 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
             ids = tokenizer(texts)["input_ids"]
         out += [list(x) for x in ids]
     return out
-
-
-def build_prompts(dcfg: DataConfig, tcfg: TargetConfig, target) -> list[list[int]]:
-    """Token-id prompts for training data, with the target's text conventions applied."""
-    if dcfg.source == "selfgen":
-        return random_prompts(
-            dcfg.num_samples, dcfg.prompt_len, target.vocab_size, [target.mask_token_id], dcfg.seed
-        )
-    if target.tokenizer is None:
-        raise ValueError(
-            f"data.source={dcfg.source} needs a target with a tokenizer (this target has none: "
-            "set target.tokenizer=bytes for a target built from target.config, or use "
-            "data.source=selfgen)"
-        )
-    return encode_prompts(text_prompts(dcfg), target.tokenizer, tcfg)
 
 
 def drop_long_prompts(prompts: list[list[int]], max_length: int) -> tuple[list[list[int]], int]:

@@ -80,13 +80,16 @@ def _atomic_write(path: str, write) -> None:
 
 def pack_samples(samples: list) -> dict:
     """Samples -> flat tensors (one torch.save of a few arrays)."""
-    return {
+    out = {
         "format": "flat-v1",
         "sample_ids": torch.tensor([s.sample_id for s in samples], dtype=torch.long),
         "lengths": torch.tensor([s.input_ids.numel() for s in samples], dtype=torch.long),
         "input_ids": torch.cat([s.input_ids for s in samples]),
         "loss_mask": torch.cat([s.loss_mask for s in samples]),
     }
+    if any(s.source for s in samples):  # data.mix: each sample's source
+        out["sources"] = torch.tensor([s.source for s in samples], dtype=torch.long)
+    return out
 
 
 def unpack_samples(obj) -> list:
@@ -97,7 +100,11 @@ def unpack_samples(obj) -> list:
     lens = obj["lengths"].tolist()
     ids = torch.split(obj["input_ids"], lens)
     masks = torch.split(obj["loss_mask"], lens)
-    return [Sample(int(i), a.clone(), m.clone()) for i, a, m in zip(obj["sample_ids"], ids, masks)]
+    sources = obj["sources"].tolist() if "sources" in obj else [0] * len(lens)
+    return [
+        Sample(int(i), a.clone(), m.clone(), src)
+        for i, a, m, src in zip(obj["sample_ids"], ids, masks, sources)
+    ]
 
 
 def atomic_torch_save(obj, path: str) -> None:

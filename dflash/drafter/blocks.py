@@ -173,8 +173,10 @@ def gather_labels(next_token_NT: torch.Tensor, anchors_NA: torch.Tensor, block_s
 
 
 def label_valid(loss_mask_NT, segment_ids_NT, anchors_NA, valid_NA, block_size: int):
-    """bool [N, A, B-1]: a+k is in the row, a response token, and in the anchor's sample. Needs
-    no target output, so the trainer computes it on the host copy of the batch."""
+    """bool [N, A, B-1]: a+k is in the row, in the anchor's sample, and it and every position
+    between the anchor and it are response tokens: a block ends where the answer does, never
+    reaching across a user turn or template markers into the next answer (a served draft never
+    does). Needs no target output, so the trainer computes it on the host copy of the batch."""
     N, T = segment_ids_NT.shape
     k = torch.arange(1, block_size, device=anchors_NA.device)
     tgt_NAk = anchors_NA[:, :, None] + k  # position a+k
@@ -182,4 +184,5 @@ def label_valid(loss_mask_NT, segment_ids_NT, anchors_NA, valid_NA, block_size: 
     seg_a = segment_ids_NT.gather(1, anchors_NA)[:, :, None]
     same = segment_ids_NT.gather(1, tgt_c).view(N, -1, block_size - 1) == seg_a
     resp = loss_mask_NT.bool().gather(1, tgt_c).view(N, -1, block_size - 1)
+    resp = resp.int().cumprod(-1).bool()  # the answer's run from the anchor on
     return (tgt_NAk < T) & same & resp & valid_NA[:, :, None]

@@ -14,7 +14,7 @@ from ..target.shape import Heads
 from .decode import decode_report
 from .offline import evaluate
 from .report import print_report, write_json
-from .sets import build_eval_set
+from .sets import build_eval_set, build_eval_sets
 
 
 def run_config_of(ckpt: str) -> dict | None:
@@ -98,7 +98,12 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         if restored:
             print(
                 f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
-                f"eval source {rc.eval.source or rc.data.source}, {rc.eval.num_prompts} prompts)"
+                + (
+                    f"eval sets {', '.join(s.name for s in rc.eval.sets)})"
+                    if rc.eval.sets
+                    else f"eval source {rc.eval.source or rc.data.source}, "
+                    f"{rc.eval.num_prompts} prompts)"
+                )
             )
     if prev is None:
         print(
@@ -107,16 +112,38 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
             "rows of eval.paths (or data.paths)"
         )
     target = _target_for(rc, spec)
-    items = build_eval_set(
-        rc,
-        target,
-        os.path.join(out_dir, "data"),
-        log=print,
-        exclude_training=prev is not None,
-        read_dirs=_run_caches(rc.ckpt, prev),
-    )
-    dev = target.device
-    drafter = drafter.to(dev)
+    where = dict(exclude_training=prev is not None, read_dirs=_run_caches(rc.ckpt, prev))
+    cache = os.path.join(out_dir, "data")
+    if rc.eval.sets:
+        sets = build_eval_sets(rc, target, cache, log=print, **where)
+    else:
+        sets = {"": build_eval_set(rc, target, cache, log=print, **where)}
+    drafter = drafter.to(target.device)
+    results = {}
+    for name, items in sets.items():
+        results[name] = _evaluate_set(rc, target, drafter, items)
+        if name:
+            print(f"eval set {name}:")
+        print_report(*results[name], rc.eval.budgets, rc.eval.show_rounds)
+    if rc.eval.sets:
+        reports = []
+        summary = {f"{n}/{k}": v for n, (_, s) in results.items() for k, v in s.items()}
+    else:
+        reports, summary = results[""]
+    if rc.out:
+        meta = {
+            "ckpt": os.path.abspath(rc.ckpt),
+            "target": rc.target.name,
+            "block_size": spec.block_size,
+            "target_layer_ids": spec.target_layer_ids,
+            "eval": dataclasses.asdict(rc.eval),
+        }
+        write_json(rc.out, reports, summary, meta, results if rc.eval.sets else None)
+        print(f"wrote {rc.out}")
+    return summary
+
+
+def _evaluate_set(rc: RunConfig, target, drafter, items) -> tuple[list, dict]:
     reports, summary = evaluate(
         drafter,
         Heads(target.embed_tokens, target.lm_head),
@@ -130,18 +157,7 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         summary.update(
             decode_report(target, drafter, items, rc.eval.real_decode_prompts, rc.eval, log=print)
         )
-    print_report(reports, summary, rc.eval.budgets, rc.eval.show_rounds)
-    if rc.out:
-        meta = {
-            "ckpt": os.path.abspath(rc.ckpt),
-            "target": rc.target.name,
-            "block_size": spec.block_size,
-            "target_layer_ids": spec.target_layer_ids,
-            "eval": dataclasses.asdict(rc.eval),
-        }
-        write_json(rc.out, reports, summary, meta)
-        print(f"wrote {rc.out}")
-    return summary
+    return reports, summary
 
 
 def _target_for(rc: RunConfig, spec):

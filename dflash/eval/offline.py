@@ -18,7 +18,7 @@ from ..decoding.rejection import expected_accepted, overlap, warp
 from ..drafter.blocks import build_blocks, mask_rules
 from ..drafter.model import DFlashDrafter
 from .metrics import evaluate_prompt, summarize
-from .sets import EvalItem, build_eval_set
+from .sets import EvalItem, build_eval_sets
 
 
 @torch.no_grad()
@@ -176,27 +176,44 @@ def rounded_to(module: torch.nn.Module, dtype: torch.dtype):
         module.load_state_dict(saved)
 
 
-class Evaluator:
-    """In-loop evaluation on the cached set: the same code path as eval.py, on the weights a
-    checkpoint exports (fp32 master weights rounded to the serving dtype), so the figures equal
-    eval.py's on the checkpoint saved at the same step."""
+def metric_prefix(name: str) -> str:
+    """eval/ for the unnamed set, eval/<name>/ for a set of eval.sets."""
+    return f"eval/{name}/" if name else "eval/"
 
-    def __init__(self, items: list[EvalItem], budgets, temperatures=(), top_p=1.0, top_k=0):
-        self.items, self.budgets = items, list(budgets)
+
+class Evaluator:
+    """In-loop evaluation on the cached sets: the same code path as eval.py, on the weights a
+    checkpoint exports (fp32 master weights rounded to the serving dtype), so the figures equal
+    eval.py's on the checkpoint saved at the same step. `sets`: name -> items ("" for the one
+    unnamed set; a list is that set)."""
+
+    def __init__(self, sets, budgets, temperatures=(), top_p=1.0, top_k=0):
+        self.sets = sets if isinstance(sets, dict) else {"": sets}
+        self.budgets = list(budgets)
         self.sampling = dict(temperatures=list(temperatures), top_p=top_p, top_k=top_k)
-        self.reports: list = []  # per-prompt reports of the last run (for loggers)
+        self.reports_by_set: dict[str, list] = {}  # per-prompt reports of the last run, per set
+
+    @property
+    def items(self) -> list[EvalItem]:
+        return [it for items in self.sets.values() for it in items]
+
+    @property
+    def reports(self) -> list:
+        return [r for reps in self.reports_by_set.values() for r in reps]
 
     @classmethod
     def from_config(cls, cfg, target, cache_dir: str | None, log=print) -> Evaluator:
         e = cfg.eval
-        items = build_eval_set(cfg, target, cache_dir, log)
-        return cls(items, e.budgets, e.temperatures, e.top_p, e.top_k)
+        sets = build_eval_sets(cfg, target, cache_dir, log)
+        return cls(sets, e.budgets, e.temperatures, e.top_p, e.top_k)
 
     def run(self, drafter, heads) -> dict:
         from ..drafter.checkpoint import EXPORT_DTYPE
 
+        out = {}
         with rounded_to(drafter, EXPORT_DTYPE):
-            self.reports, summary = evaluate(
-                drafter, heads, self.items, self.budgets, **self.sampling
-            )
-        return {f"eval/{k}": float(v) for k, v in summary.items()}
+            for name, items in self.sets.items():
+                reports, summary = evaluate(drafter, heads, items, self.budgets, **self.sampling)
+                self.reports_by_set[name] = reports
+                out.update({f"{metric_prefix(name)}{k}": float(v) for k, v in summary.items()})
+        return out

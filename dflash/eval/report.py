@@ -80,9 +80,17 @@ def _finite(x):
     return x
 
 
-def write_json(path: str, reports, summary: dict, meta: dict) -> None:
+def write_json(path: str, reports, summary: dict, meta: dict, sets: dict | None = None) -> None:
+    """sets (eval.sets): name -> (reports, summary); the top-level summary then holds every
+    set's figures as <set>/<figure>."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    payload = _finite({"meta": meta, "summary": summary, "prompts": [r.to_dict() for r in reports]})
+    payload = {"meta": meta, "summary": summary, "prompts": [r.to_dict() for r in reports]}
+    if sets:
+        payload["sets"] = {
+            n: {"summary": s, "prompts": [r.to_dict() for r in reps]}
+            for n, (reps, s) in sets.items()
+        }
+    payload = _finite(payload)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2, default=str, allow_nan=False)

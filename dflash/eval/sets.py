@@ -17,7 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
+from ..data.mix import training_conversations
 from ..data.prompts import encode_prompts, random_prompts
+from .heldout import set_conversations
 
 # evaluation-time only, or display: not in the cache key
 NOT_IN_KEY = (
@@ -91,6 +93,11 @@ def heldout_text_prompts(cfg, exclude_training: bool = True) -> list:
 
     ecfg, dcfg = cfg.eval, cfg.data
     source = ecfg.source or dcfg.source
+    if source == "mix":
+        raise ValueError(
+            "data.source=mix: name the eval prompts with eval.sets (e.g. a held-out slice of one "
+            "source: {name: chat, source: jsonl, paths: [...], heldout: true}) or eval.source"
+        )
     if not exclude_training:
         ed = replace(dcfg, source=source, paths=list(ecfg.paths or dcfg.paths))
         return text_prompts(replace(ed, num_samples=ecfg.num_prompts, seed=ecfg.seed))
@@ -104,7 +111,7 @@ def heldout_text_prompts(cfg, exclude_training: bool = True) -> list:
         )
         out = text_prompts(ed)[: ecfg.num_prompts]
         if dcfg.source != "selfgen":  # random token prompts never equal text prompts
-            seen = {_prompt_key(p) for p in text_prompts(dcfg)}
+            seen = {_prompt_key(c.prompt(dcfg.turns)) for c in training_conversations(dcfg)[0]}
             both = sum(_prompt_key(p) in seen for p in out)
             if both:
                 raise ValueError(
@@ -135,52 +142,133 @@ def build_eval_set(
 ) -> list[EvalItem]:
     """The cached eval set of this config from cache_dir or read_dirs (eval.py: the run's own
     cache, where the in-loop eval left it), else built and saved in cache_dir."""
-    key = json.dumps(
-        {
-            "format": 2,  # items carry final_LH
-            "exclude_training": exclude_training,
-            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
-            "data": vars(cfg.data),
-            "target": vars(cfg.target),
-            "layers": target.layer_ids,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    name = f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    key = {
+        "format": 2,  # items carry final_LH
+        "exclude_training": exclude_training,
+        "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
+    }
+
+    def build():
+        prompts = eval_prompts(cfg, target, exclude_training)
+        return _greedy_items(cfg, target, prompts, log)
+
+    return _cached(cfg, target, key, "eval", build, cache_dir, read_dirs, log)
+
+
+def build_eval_sets(
+    cfg,
+    target,
+    cache_dir: str | None,
+    log=print,
+    exclude_training: bool = True,
+    read_dirs: tuple[str, ...] = (),
+) -> dict[str, list[EvalItem]]:
+    """Every eval set by name: eval.sets, or the one unnamed set of eval.source / eval.paths."""
+    if not cfg.eval.sets:
+        return {"": build_eval_set(cfg, target, cache_dir, log, exclude_training, read_dirs)}
+    return {
+        es.name: build_named_set(cfg, es, target, cache_dir, log, read_dirs) for es in cfg.eval.sets
+    }
+
+
+def build_named_set(cfg, es, target, cache_dir, log=print, read_dirs=()) -> list[EvalItem]:
+    """One set of eval.sets: its prompts (first user turns, or every turn after the target's
+    own earlier answers), the target's greedy completions, cached like build_eval_set."""
+    from dataclasses import asdict
+
+    say = lambda msg: log(f"eval set {es.name}: {msg}")  # noqa: E731
+    key = {
+        "format": 3,
+        "set": asdict(es),
+        "eval": {k: v for k, v in vars(cfg.eval).items() if k not in (*NOT_IN_KEY, "sets")},
+    }
+
+    def build():
+        if es.source == "selfgen":
+            num = es.num_prompts or cfg.eval.num_prompts
+            ids = random_prompts(
+                num, cfg.data.prompt_len, target.vocab_size, [target.mask_token_id], cfg.eval.seed
+            )
+            return _greedy_items(cfg, target, ids, say)
+        if target.tokenizer is None:
+            raise ValueError(f"eval.sets[{es.name}] needs a target with a tokenizer")
+        convs = set_conversations(cfg, es, say)
+        if es.turns == "each":
+            return _turn_items(cfg, target, convs, say)
+        prompts = encode_prompts([c.prompt("first") for c in convs], target.tokenizer, cfg.target)
+        return _greedy_items(cfg, target, prompts, say)
+
+    return _cached(cfg, target, key, f"eval-{es.name}", build, cache_dir, read_dirs, say)
+
+
+def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log) -> list[EvalItem]:
+    key = {**key, "data": vars(cfg.data), "target": vars(cfg.target), "layers": target.layer_ids}
+    text = json.dumps(key, sort_keys=True, default=str)
+    name = f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.safetensors"
     for d in (cache_dir, *read_dirs):
         if d and os.path.exists(os.path.join(d, name)):
             items = load_eval_set(os.path.join(d, name))
             log(f"eval: {len(items)} prompts from cache {os.path.join(d, name)}")
             return items
-    path = None
+    items = build()
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        path = os.path.join(cache_dir, name)
+        save_eval_set(items, os.path.join(cache_dir, name))
+    return items
+
+
+def _greedy_items(cfg, target, prompts, log) -> list[EvalItem]:
     t0 = time.perf_counter()
-    prompts = eval_prompts(cfg, target, exclude_training)
     comps = generate_greedy(
         target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy", log=log
     )
-    items = [consistent_greedy(target, p, c) for p, c in zip(prompts, comps)]
+    return _checked_items(target, list(zip(prompts, comps)), t0, log)
+
+
+def _turn_items(cfg, target, convs, log) -> list[EvalItem]:
+    """Every user turn of the conversations as a prompt: the target answers them in order
+    (greedy, eval.completion_len tokens each, the conversation cut at data.max_length), each
+    turn's prompt holding its own earlier answers, as in training with data.turns=all."""
+    from ..data.rounds import run_turns
+    from ..data.turns import encode_turns
+
+    t0 = time.perf_counter()
+    tp = encode_turns(convs, target.tokenizer, cfg.target, "all", cfg.data.max_length)
+
+    def generate(prompts, k):
+        return generate_greedy(
+            target,
+            prompts,
+            cfg.eval.completion_len,
+            cfg.eval.batch_size,
+            desc=f"eval greedy turn {k + 1}",
+            log=log,
+        )
+
+    seqs, spans, _, _ = run_turns(tp, generate, cfg.data.max_length, target.tokenizer.eos_token_id)
+    pairs = [(seq[:a], seq[a:b]) for seq, sp in zip(seqs, spans) for a, b in sp]
+    log(f"{len(pairs)} turns of {len(tp)} conversations")
+    return _checked_items(target, pairs, t0, log)
+
+
+def _checked_items(target, pairs, t0: float, log) -> list[EvalItem]:
+    items = [consistent_greedy(target, p, c) for p, c in pairs if c]
     items = [it for it in items if it.completion_ids.numel() >= 2]
     if not items:
         raise ValueError(
             "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
         )
-    short = len(prompts) - len(items)
+    short = len(pairs) - len(items)
     log(
         f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy "
         f"tokens, built in {time.perf_counter() - t0:.1f} s"
         + (
-            f" ({short} of {len(prompts)} left out: their batched greedy completion and a one-shot "
+            f" ({short} of {len(pairs)} left out: their batched greedy completion and a one-shot "
             "forward disagree within 2 tokens, a near-tie)"
             if short
             else ""
         )
     )
-    if path:
-        save_eval_set(items, path)
     return items
 
 

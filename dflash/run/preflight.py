@@ -14,7 +14,7 @@ import struct
 
 import torch
 
-from ..config import RunConfig, TargetConfig
+from ..config import FILE_SOURCES, RunConfig, TargetConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
@@ -66,13 +66,25 @@ def check_files(cfg: RunConfig) -> None:
             f"drafter.init_from={cfg.drafter.init_from!r} is not a directory (a drafter "
             "checkpoint: config.json + model.safetensors)"
         )
-    groups = [("eval.paths", cfg.eval.paths)]
-    if cfg.data.source in ("jsonl", "parquet"):
-        groups.insert(0, ("data.paths", cfg.data.paths))
-    for key, paths in groups:
+    groups = [("eval.paths", cfg.eval.source, cfg.eval.paths)]
+    groups += [(f"eval.sets[{s.name}].paths", s.source, s.paths) for s in cfg.eval.sets]
+    groups += [(f"data.mix[{m.name}].paths", m.source, m.paths) for m in cfg.data.mix]
+    if cfg.data.source in FILE_SOURCES:
+        groups.insert(0, ("data.paths", cfg.data.source, cfg.data.paths))
+    for key, source, paths in groups:
         for p in paths:
+            if source == "hf" and _hub_name(p):
+                continue  # a hub dataset: read (or refused) when the data is built
             if not glob.glob(os.path.expanduser(p)):
                 raise FileNotFoundError(f"{key}: {p!r} does not exist (no file matches it)")
+    from ..eval.heldout import check_eval_sets
+
+    check_eval_sets(cfg)
+
+
+def _hub_name(p: str) -> bool:
+    """owner/name of a hub dataset, not a local path."""
+    return not os.path.isabs(p) and not p.startswith((".", "~")) and not os.path.exists(p)
 
 
 def check_target_resources(tcfg: TargetConfig, device: str | None = None) -> None:

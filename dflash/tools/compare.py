@@ -51,7 +51,7 @@ def differing_keys(configs: list[dict]) -> list[str]:
 
 def summarize(run_dir: str) -> dict:
     rows = load_metrics(run_dir)
-    evals = [r for r in rows if "eval/tau" in r]
+    evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/tau") for k in r)]
     train = [r for r in rows if "train/loss" in r]
     last_eval = evals[-1] if evals else {}
     budgets = sorted(int(k.split("@")[1]) for k in last_eval if k.startswith("eval/tau@"))
@@ -59,6 +59,12 @@ def summarize(run_dir: str) -> dict:
         "step": max((r["step"] for r in rows), default=0),
         "minutes": max((r.get("time/run_min", 0.0) for r in rows), default=0.0) or None,
         "tau": last_eval.get("eval/tau"),
+        # eval.sets: each set's tau
+        "set_tau": {
+            k.split("/")[1]: v
+            for k, v in last_eval.items()
+            if k.count("/") == 2 and k.endswith("/tau")
+        },
         "tree": (budgets[-1], last_eval[f"eval/tau@{budgets[-1]}"]) if budgets else None,
         "acc": train[-1]["train/acc"] if train else None,
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in train) if train else None,
@@ -82,7 +88,9 @@ def table(run_dirs: list[str]) -> str:
             _f(s["epochs"], 2),
             _f(s["acc"], 3),
             _f(s["tokens_per_s"], 0),
-            _f(s["tau"], 3),
+            _f(s["tau"], 3)
+            if not s["set_tau"]
+            else ", ".join(f"{n} {v:.3f}" for n, v in sorted(s["set_tau"].items())),
             f"{s['tree'][1]:.3f} @{s['tree'][0]}" if s["tree"] else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -10,6 +10,7 @@ from ..common.comm import RankContext
 from ..common.layout import write_run_config
 from ..common.loggers import Logger
 from ..config import RunConfig
+from ..data.mix import data_figures
 from ..data.stream import SampleStream
 from ..target.capture import Target
 from ..target.linear_attn import linear_attn_report, linear_attn_summary
@@ -153,7 +154,7 @@ def run_colocated(
     )
     resume(cfg, run_dir, trainer, source.stream, session.logger, ctx if multi else None)
     if writer:
-        write_run_config(cfg, run_dir)
+        write_run_config(cfg, run_dir, data_figures(samples, cfg))
     return train_loop(
         cfg, trainer, source, evaluator, session.logger, run_dir, stop_at, writer=writer
     )

@@ -67,7 +67,7 @@ def train_loop(
         with _timed(budget, "eval"):
             first_eval = evaluator.run(drafter, trainer.heads)
         logger.log(first_eval, step=0)
-        logger.log_eval(evaluator.reports, 0)
+        _log_reports(logger, evaluator, 0)
         phase_done("step-0 eval")
     if fresh:
         _report_start(budget, logger)
@@ -246,7 +246,7 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         with _timed(budget, "eval"):
             ev = evaluator.run(drafter, trainer.heads)
         logger.log(ev, step)
-        logger.log_eval(evaluator.reports, step)
+        _log_reports(logger, evaluator, step)
         last.update(ev)
     if writer and save:
         with _timed(budget, "save"):
@@ -265,6 +265,11 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
     return None, final
 
 
+def _log_reports(logger: Logger, evaluator, step: int) -> None:
+    for name, reports in evaluator.reports_by_set.items():
+        logger.log_eval(reports, step, name)
+
+
 def _compiled() -> dict:
     """Graphs torch.compile has built in this process so far: a step in this figure marks an
     interval that paid a (re)compile (train.fuse, train.compile, the fused CE)."""
@@ -276,15 +281,21 @@ def _compiled() -> dict:
 
 
 def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:
+    sets = sorted({k[: -len("/tau")] for k in last if k.startswith("eval/") and k.endswith("/tau")})
     if first_eval is not None:
-        last["eval0/streak"] = first_eval.get("eval/streak")
-        last["eval0/tau"] = first_eval.get("eval/tau")
+        for p in sets:
+            last[p.replace("eval", "eval0", 1) + "/streak"] = first_eval.get(p + "/streak")
+            last[p.replace("eval", "eval0", 1) + "/tau"] = first_eval.get(p + "/tau")
     logger.summary({k: v for k, v in last.items() if isinstance(v, (int, float))})
     if "checkpoint" in last:
         logger.info(f"checkpoint: {last['checkpoint']}")
-    if "eval/tau" in last:
-        msg = f"eval: streak {last['eval/streak']:.3f}  tau {last['eval/tau']:.3f}"
-        if first_eval is not None:
-            msg += f"  (at step 0: streak {first_eval['eval/streak']:.3f}, tau {first_eval['eval/tau']:.3f})"
+    for p in sets:  # eval (the unnamed set) or eval/<set>
+        label = "eval" + (f" {p[5:]}" if p != "eval" else "")
+        msg = f"{label}: streak {last[p + '/streak']:.3f}  tau {last[p + '/tau']:.3f}"
+        if first_eval is not None and p + "/tau" in first_eval:
+            msg += (
+                f"  (at step 0: streak {first_eval[p + '/streak']:.3f}, "
+                f"tau {first_eval[p + '/tau']:.3f})"
+            )
         logger.info(msg)
     logger.close()

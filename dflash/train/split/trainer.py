@@ -39,7 +39,7 @@ def run_trainer(
     # trainer 0 announces (checkpoint, step, stream position) to every rank, workers included
     start = resume(cfg, run_dir, trainer, stream, session.logger, ctx, src=roles.trainer_rank(0))
     if writer:
-        write_run_config(cfg, run_dir)
+        write_run_config(cfg, run_dir, info.get("data"))
     sched = Schedule.from_config(cfg, roles, start["step"], start["position"])
     source = StreamedBatchSource(cfg, ctx, roles, sched, d, stream, dp_group)
     source.start()

@@ -11,8 +11,9 @@ import torch
 from ...common.comm import Outbox, RankContext
 from ...config import RunConfig
 from ...data.dataset import load_or_build_dataset
+from ...data.mix import data_figures
 from ...data.stream import SampleStream
-from ...eval.sets import build_eval_set
+from ...eval.sets import build_eval_sets
 from ..build import build_target, check_same_samples, data_cache, make_batch, samples_digest
 from . import wire
 from .heads import heads_fingerprint
@@ -40,11 +41,12 @@ def run_worker(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> 
         os.makedirs(run_dir, exist_ok=True)
         samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=say)
         if cfg.eval.enabled:  # trainers have no target: they read this cache
-            build_eval_set(cfg, target, cache, log=say)
+            build_eval_sets(cfg, target, cache, log=say)
         info = {
             "num_samples": len(samples),
             "digest": samples_digest(samples),
             "heads": heads_fingerprint(target.embed_tokens.weight, target.lm_head.weight),
+            "data": data_figures(samples, cfg),  # for the trainers' run_config.json
         }
     info = ctx.broadcast_object(info, src=0)
     if ctx.rank != 0:
