@@ -35,7 +35,7 @@ from ..target.shape import Heads
 from .budget import TimeBudget, budget_lr
 from .fused_ce import fused_weighted_ce_sum
 from .losses import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
-from .parallelize import parallelize, refuse_resume
+from .parallelize import check_saved_optimizer, parallelize
 
 
 @dataclass
@@ -366,18 +366,32 @@ class DrafterTrainer:
         copy.load_state_dict(full)
         return copy
 
+    def layout(self) -> dict:
+        """How a step cuts the sample stream: a resume with another layout says so."""
+        return {
+            "train.micro_batch_size": self.cfg.micro_batch_size,
+            "train.grad_accum": self.cfg.grad_accum,
+            "trainer ranks": self.dp_world,
+        }
+
     def state_dict(self) -> dict:
         return {
             "optimizer": self.par.optimizer_state(),
+            # fsdp / deepspeed: each rank's part of the optimizer state is in the step dir
+            "optimizer_shards": self.par.shards_optimizer,
             "scheduler": self.sched.state_dict(),
             "step": self.step,
+            "layout": self.layout(),
             **({"budget": self.budget.state_dict()} if self.budget is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["optimizer"] is None:
-            refuse_resume(self.cfg)
-        self.par.load_optimizer_state(state["optimizer"])
+        """The trainer's part of a checkpoint; the weights (and the optimizer's per-rank parts in
+        sharded modes) are loaded through `self.par` by dflash.train.resume."""
+        ranks = (state.get("layout") or {}).get("trainer ranks", self.dp_world)
+        check_saved_optimizer(self.par, state.get("optimizer_shards"), state["optimizer"], ranks)
+        if self.par.shards_optimizer is None:
+            self.par.load_optimizer_state(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if self.budget is not None and "budget" in state:
