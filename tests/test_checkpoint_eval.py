@@ -67,8 +67,11 @@ def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
 
 
 def test_eval_drafts_equal_training_path(tiny_qwen):
-    """The eval's cached-context pass gives the same predictions as the training forward."""
-    from dflash.drafter.blocks import build_blocks, mask_rules
+    """The eval's cached-context pass over every anchor (blocks built by dflash.drafter.blocks,
+    one batched forward) against a plain loop that runs each block alone with an explicit key
+    list (tests/test_drafter.py::_reference, no shared block or mask code): the same log-probs
+    over the whole vocabulary, the same drafts, at every anchor."""
+    from test_drafter import _reference
 
     d = make_drafter(tiny_qwen, block_size=4)
     g = torch.Generator().manual_seed(0)
@@ -76,29 +79,14 @@ def test_eval_drafts_equal_training_path(tiny_qwen):
     aux = tiny_qwen.capture(ids).aux_NTF
     item = EvalItem(ids[0, :8], ids[0, 8:], aux[0])
     heads = Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head)
-    draft, lp, tk = draft_all_anchors(d, heads, item, top_k=4, anchor_chunk=5)
-    anchors = torch.arange(8, 20)[None]
-    blk = build_blocks(
-        ids,
-        torch.arange(20)[None],
-        torch.zeros(1, 20, dtype=torch.long),
-        anchors,
-        torch.ones_like(anchors, dtype=torch.bool),
-        4,
-        511,
-        mask_rules(d.spec),
-    )
+    V = tiny_qwen.vocab_size
+    draft, lp, tk = draft_all_anchors(d, heads, item, top_k=V, anchor_chunk=5)
     with torch.no_grad():
-        h = d(
-            heads.embed(blk.block_ids_NQ),
-            blk.block_pos_NQ,
-            blk.masks,
-            aux_NTF=aux,
-            ctx_pos_NT=torch.arange(20)[None],
-        )
-    ref = (h.view(12, 4, -1)[:, 1:] @ heads.lm_head.weight.t()).argmax(-1)
-    assert torch.equal(draft, ref)
-    assert lp.shape == (12, 3, 4) and torch.equal(tk[..., 0], draft)
+        h = _reference(d, heads.embed, ids, aux, torch.arange(8, 20)[None])
+        ref = torch.log_softmax(d.logits(h[:, 1:], heads.lm_head.weight), -1)  # [12, 3, V]
+    got = torch.full_like(ref, float("nan")).scatter(-1, tk, lp)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+    assert torch.equal(draft, ref.argmax(-1)) and lp.shape == (12, 3, V)
 
 
 @pytest.fixture(scope="module")

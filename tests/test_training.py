@@ -43,19 +43,41 @@ def _grads(trainer, micro):
     return {k: v.grad.clone() for k, v in trainer.drafter.named_parameters()}
 
 
+def _step_grads(trainer, micro) -> dict:
+    """The gradients the trainer's own step hands to the optimizer (read just before it)."""
+    grads, real_step = {}, trainer.par.step
+
+    def spy():
+        grads.update({k: v.grad.clone() for k, v in trainer.drafter.named_parameters()})
+        return real_step()
+
+    trainer.par.step = spy
+    trainer.train_step(micro)
+    return grads
+
+
 def test_grad_accumulation_equals_one_big_batch(tiny_qwen):
+    """Through the trainer's step: micro-batches of 1, 2 and 1 samples (different label counts)
+    give the gradient of one batch of all 4, and that gradient is sum(w * CE) / sum(w) over the
+    whole batch (computed here without the trainer's step)."""
+    import copy
+
     s = _samples(tiny_qwen)
     drafter = make_drafter(tiny_qwen)
-    tr = _trainer(tiny_qwen, drafter)
     big = [target_forward(tiny_qwen, collate(s))]
     small = [
         target_forward(tiny_qwen, collate(s[:1])),
         target_forward(tiny_qwen, collate(s[1:3])),
         target_forward(tiny_qwen, collate(s[3:])),
     ]
-    g_big, g_small = _grads(tr, big), _grads(tr, small)
+    labels = [float(_trainer(tiny_qwen, drafter).prepare(tb, 0).weights_NAK.sum()) for tb in small]
+    assert len(set(labels)) > 1  # a per-micro-batch denominator would weigh them differently
+    g_big = _step_grads(_trainer(tiny_qwen, copy.deepcopy(drafter)), big)
+    g_small = _step_grads(_trainer(tiny_qwen, copy.deepcopy(drafter)), small)
+    g_ref = _grads(_trainer(tiny_qwen, copy.deepcopy(drafter)), big)
     for k in g_big:
         assert torch.allclose(g_big[k], g_small[k], atol=1e-6, rtol=1e-4), k
+        assert torch.allclose(g_big[k], g_ref[k], atol=1e-6, rtol=1e-4), k
     assert any(g.abs().sum() > 0 for g in g_big.values())
 
 
@@ -334,6 +356,19 @@ def test_label_sampling_by_weight_is_unbiased_and_seeded(tiny_qwen):
     keep_sub[sub.label_index_M] = True
     A_sub = sub.labels_NAK.shape[1]
     assert torch.equal(keep_a.view(4, -1, K)[2:, :A_sub], keep_sub.view(2, A_sub, K))
+    # the trainer's step divides the kept labels' loss (weights w / p) by the weight sum of ALL
+    # real labels (the expectation of the kept ones'), not by the kept labels' weights
+    import copy
+
+    stepper = _trainer(tiny_qwen, copy.deepcopy(drafter), label_sampling="by_weight")
+    with torch.no_grad():
+        kept_sum = float(stepper.forward_sums(tb, stepper.prepare(tb, 0))[0])
+    all_w = float(full.prepare(tb, 0).weights_NAK.sum())
+    assert all_w > float(
+        tr.prepare(tb, 0).weights_NAK.flatten()[tr.prepare(tb, 0).label_index_M].sum()
+    )
+    got = stepper.train_step([tb])["train/loss"]
+    assert got == pytest.approx(kept_sum / all_w, rel=1e-5)
 
 
 def test_a_diverging_run_stops_naming_the_step_and_never_saves_its_weights(tmp_path, monkeypatch):

@@ -32,9 +32,10 @@ def draft_all_anchors(
     sampling: tuple | None = None,
 ):
     """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K].
-    sampling=(temperatures, top_p, top_k): also alpha_LDt, the acceptance probability
-    sum_x min(p, q) of every (anchor, position) at each temperature, p from the cached target
-    states along the completion (dflash.decoding.rejection; 0 where no completion token is left)."""
+    sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
+    the acceptance probability sum_x min(p, q) ([..., 0]) and the probability min(p(g), q(g))
+    of accepting the greedy token g ([..., 1]), p from the cached target states along the
+    completion (dflash.decoding.rejection; 0 where no completion token is left)."""
     spec = drafter.spec
     dev = heads.lm_head.weight.device
     P, L = item.prompt_ids.numel(), item.completion_ids.numel()
@@ -94,12 +95,13 @@ def _overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top
     rows_nD = s0 + torch.arange(n)[:, None] + torch.arange(1, D + 1)[None]  # completion index
     ok_nD = rows_nD < L
     rows_nD = rows_nD.clamp(max=L - 1)
-    out = torch.zeros(n, D, len(temperatures))
+    out = torch.zeros(n, D, len(temperatures), 2)
+    greedy_nD = item.completion_ids[rows_nD]
     p_logits = None
     for j, temp in enumerate(temperatures):
         if temp <= 0:  # greedy: accepted iff the draft is the cached greedy token
-            hit = q_logits_nDV.argmax(-1).cpu() == item.completion_ids[rows_nD]
-            out[..., j] = (hit & ok_nD).float()
+            hit = q_logits_nDV.argmax(-1).cpu() == greedy_nD
+            out[..., j, :] = (hit & ok_nD).float()[..., None]
             continue
         if item.final_LH is None:
             raise ValueError(
@@ -109,8 +111,10 @@ def _overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top
         if p_logits is None:
             h = item.final_LH[rows_nD.flatten()].to(W.device, W.dtype)
             p_logits = (h @ W.t()).float().view(n, D, -1)
-        a = overlap(warp(p_logits, temp, top_p, top_k), warp(q_logits_nDV, temp, top_p, top_k))
-        out[..., j] = a.cpu() * ok_nD
+        p, q = warp(p_logits, temp, top_p, top_k), warp(q_logits_nDV, temp, top_p, top_k)
+        g = greedy_nD.to(p.device)[..., None]
+        out[..., j, 0] = overlap(p, q).cpu() * ok_nD
+        out[..., j, 1] = torch.minimum(p.gather(-1, g), q.gather(-1, g))[..., 0].cpu() * ok_nD
     return out
 
 
@@ -125,14 +129,17 @@ def evaluate(
     top_k: int = 0,
 ):
     """Per-prompt reports and the summary (micro-averaged over rounds). With temperatures, the
-    summary also has tau_t{T}: 1 + the expected accepted length per round of the greedy walk at
-    that temperature (dflash.decoding.rejection says exactly what is computed); tau_t0 == tau."""
+    summary also has, per temperature T, 1 + the expected accepted length per round of the
+    greedy walk: tau_t{T}, an upper estimate (the target's distributions kept on the greedy path
+    after a non-greedy draft token is accepted), and tau_t{T}_lower, a lower bound (only
+    acceptances along the greedy path counted); dflash.decoding.rejection says exactly what each
+    is. At T=0 both equal tau."""
     was_training = drafter.training
     drafter.eval()
     reports = []
     temps = [float(t) for t in temperatures]
     sampling = (temps, top_p, top_k) if temps else None
-    expected = torch.zeros(len(temps), dtype=torch.float64)
+    expected = torch.zeros(len(temps), 2, dtype=torch.float64)  # [upper estimate, lower bound]
     for n, it in enumerate(items):
         draft, lp, ids, *alpha = draft_all_anchors(
             drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype, sampling=sampling
@@ -149,15 +156,17 @@ def evaluate(
         )
         reports.append(rep)
         if temps and rep.chain.anchors:
-            a = alpha[0][rep.chain.anchors]  # [rounds, D, t]
+            a = alpha[0][rep.chain.anchors]  # [rounds, D, t, 2]
             avail = torch.tensor(rep.chain.available)
             for j in range(len(temps)):
-                expected[j] += expected_accepted(a[..., j], avail).sum()
+                for b in range(2):
+                    expected[j, b] += expected_accepted(a[..., j, b], avail).sum()
     drafter.train(was_training)
     summary = summarize(reports)
+    rounds = summary["num_rounds"]
     for j, t in enumerate(temps):
-        rounds = summary["num_rounds"]
-        summary[f"tau_t{t:g}"] = 1.0 + float(expected[j]) / rounds if rounds else float("nan")
+        upper, lower = (1.0 + float(x) / rounds if rounds else float("nan") for x in expected[j])
+        summary[f"tau_t{t:g}"], summary[f"tau_t{t:g}_lower"] = upper, lower
     return reports, summary
 
 
