@@ -59,14 +59,14 @@ def draft_all_anchors(
             spec.mask_token_id,
             mask_rules(spec),
         )
-        emb = heads.embed(blk.block_ids_NQ).to(dtype)
+        emb = heads.embed_ids(blk.block_ids_NQ).to(dtype)
         h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
-        logits = drafter.logits(h, heads.lm_head.weight)
+        logits = drafter.logits(h, heads.lm_head.weight, heads.bias)
         logp = torch.log_softmax(logits, -1)
         drafts.append(logits.argmax(-1).cpu())
         if sampling is not None:
-            alphas.append(_chunk_overlaps(logits, item, s, heads.lm_head.weight, *sampling))
+            alphas.append(_chunk_overlaps(logits, item, s, heads, *sampling))
         if top_k > 0:
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
@@ -76,20 +76,20 @@ def draft_all_anchors(
     return out + (torch.cat(alphas),) if sampling is not None else out
 
 
-def _chunk_overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top_k):
+def _chunk_overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p, top_k):
     """[n, D, t] acceptance probabilities for anchors s0..s0+n-1 (completion indices), a few
     anchors at a time: each warp holds several [rows, D, V] fp32 copies (sort for top-p)."""
     n = q_logits_nDV.shape[0]
     step = 8
     return torch.cat(
         [
-            _overlaps(q_logits_nDV[i : i + step], item, s0 + i, W, temperatures, top_p, top_k)
+            _overlaps(q_logits_nDV[i : i + step], item, s0 + i, heads, temperatures, top_p, top_k)
             for i in range(0, n, step)
         ]
     )
 
 
-def _overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top_k):
+def _overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p, top_k):
     n, D, _ = q_logits_nDV.shape
     L = item.completion_ids.numel()
     rows_nD = s0 + torch.arange(n)[:, None] + torch.arange(1, D + 1)[None]  # completion index
@@ -108,9 +108,10 @@ def _overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top
                 "eval.temperatures > 0 needs the target's final hidden states in the eval "
                 "cache; this cache predates them: delete it to rebuild"
             )
-        if p_logits is None:
+        if p_logits is None:  # the target's own logits: lm_head(h), its bias included
+            W, b = heads.lm_head.weight, heads.bias
             h = item.final_LH[rows_nD.flatten()].to(W.device, W.dtype)
-            p_logits = (h @ W.t()).float().view(n, D, -1)
+            p_logits = (h @ W.t() + (b if b is not None else 0)).float().view(n, D, -1)
         p, q = warp(p_logits, temp, top_p, top_k), warp(q_logits_nDV, temp, top_p, top_k)
         g = greedy_nD.to(p.device)[..., None]
         out[..., j, 0] = overlap(p, q).cpu() * ok_nD
@@ -166,7 +167,9 @@ def evaluate(
     rounds = summary["num_rounds"]
     for j, t in enumerate(temps):
         upper, lower = (1.0 + float(x) / rounds if rounds else float("nan") for x in expected[j])
-        summary[f"tau_t{t:g}"], summary[f"tau_t{t:g}_lower"] = upper, lower
+        summary[f"tau_t{t:g}"] = upper
+        if t > 0:  # at T=0 both are tau
+            summary[f"tau_t{t:g}_lower"] = lower
     return reports, summary
 
 

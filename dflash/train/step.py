@@ -213,7 +213,7 @@ class DrafterTrainer:
         N, A = blocks.anchors_NA.shape
         B = self.spec.block_size
         with torch.no_grad():
-            emb = self.heads.embed(blocks.block_ids_NQ)
+            emb = self.heads.embed_ids(blocks.block_ids_NQ)
         with self.autocast():
             h = model(
                 emb.to(self.dtype),
@@ -224,37 +224,22 @@ class DrafterTrainer:
             )
             h_M = h.reshape(N * A * B, -1).index_select(0, p.hidden_index_M)
             # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
-            w_lm = self.heads.lm_head.weight
-            transform = self.drafter.logit_transform
+            w_lm, chunk, b_lm = self.heads.lm_head.weight, self.cfg.lm_head_chunk, self.heads.bias
             if self.cfg.loss == "hard_ce" and self.device.type == "cuda":
+                spec = self.spec
                 return fused_weighted_ce_sum(
-                    h_M,
-                    w_lm,
-                    labels,
-                    weights,
-                    chunk=self.cfg.lm_head_chunk,
+                    *(h_M, w_lm, labels, weights),
+                    chunk=chunk,
                     dtype=self.dtype,
-                    output_multiplier=self.spec.output_multiplier,
-                    softcap=self.spec.final_logit_softcapping,
+                    output_multiplier=spec.output_multiplier,
+                    softcap=spec.final_logit_softcapping,
+                    lm_head_b_V=b_lm,
                 )
+            head = dict(chunk=chunk, logit_transform=self.drafter.logit_transform, lm_head_b_V=b_lm)
             if self.cfg.loss == "hard_ce":
-                return weighted_ce_sum(
-                    h_M,
-                    w_lm,
-                    labels,
-                    weights,
-                    chunk=self.cfg.lm_head_chunk,
-                    logit_transform=transform,
-                )
+                return weighted_ce_sum(h_M, w_lm, labels, weights, **head)
             th = self._target_hidden_at_labels(tb, blocks, p)
-            return soft_kl_sum(
-                h_M,
-                w_lm,
-                th,
-                weights,
-                chunk=self.cfg.lm_head_chunk,
-                logit_transform=transform,
-            ), h_M.new_zeros(())
+            return soft_kl_sum(h_M, w_lm, th, weights, **head), h_M.new_zeros(())
 
     def _target_hidden_at_labels(self, tb, blocks, prepared: Prepared):
         if tb.final_hidden_NTH is None:
