@@ -91,11 +91,16 @@ class TargetBatch(TokenBatch):
 
 
 def collate(
-    samples: list[Sample], pad_id: int = 0, pack_to: int | None = None, pad_to: int | None = None
+    samples: list[Sample],
+    pad_id: int = 0,
+    pack_to: int | None = None,
+    pad_to: int | None = None,
+    pad_rows: int | None = None,
 ) -> TokenBatch:
     """Pad each sample to its own row, or (pack_to=L) first-fit pack samples into rows of L.
-    pad_to=L: rows are at least L long (static shapes for `train.compile`; the padding is
-    segment -1, which nothing attends to or is labelled on)."""
+    pad_to=L / pad_rows=N: at least L positions and N rows (static shapes for `train.compile`,
+    where packing makes the row count vary; the padding is segment -1, which nothing attends to
+    or is labelled on, and a padding row has no anchors)."""
     rows: list[list[Sample]] = [[s] for s in samples]
     if pack_to is not None:
         rows = []
@@ -111,7 +116,7 @@ def collate(
                 rows.append([s])
                 fill.append(n)
     T = max(max(sum(s.input_ids.numel() for s in row) for row in rows), pad_to or 0)
-    N = len(rows)
+    N = max(len(rows), pad_rows or 0)
     ids = torch.full((N, T), pad_id, dtype=torch.long)
     pos = torch.zeros(N, T, dtype=torch.long)
     seg = torch.full((N, T), -1, dtype=torch.long)
@@ -128,6 +133,7 @@ def collate(
             order.append(s.sample_id)
             o += n
         seeds.append(row[0].sample_id)
+    seeds += [-1 - r for r in range(N - len(rows))]  # padding rows: no sample, no anchors
     return TokenBatch(ids, pos, seg, lm, torch.tensor(order, dtype=torch.long), seeds)
 
 
