@@ -54,14 +54,8 @@ def test_budget_lr_warms_up_then_decays_to_min():
     assert all(a >= b for a, b in zip(xs, xs[1:]))
 
 
-def _cfg(tmp_path, resume=None):
-    from conftest import CONF
-    from hydra import compose, initialize_config_dir
-
-    from dflash.run.cli import setup, typed
-
-    setup()
-    over = [
+def _overrides(tmp_path) -> list[str]:
+    return [
         "train.steps=1000",
         "train.time_budget_min=1",  # 60 s of fake time
         "train.warmup_ratio=0.1",
@@ -80,6 +74,16 @@ def _cfg(tmp_path, resume=None):
         f"out_root={tmp_path}",
         f"data.cache_dir={tmp_path}/cache",
     ]
+
+
+def _cfg(tmp_path, resume=None):
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from dflash.run.cli import setup, typed
+
+    setup()
+    over = _overrides(tmp_path)
     if resume:
         over.append(f"resume={resume}")
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
@@ -224,3 +228,40 @@ def test_startup_phases_count_from_the_previous_phase_and_restart_with_each_run(
     t[0] += 5.0
     b.phase_done("target")
     assert b.startup_phases() == "target 5 s"
+
+
+def test_resuming_a_run_that_spent_its_budget_says_so_and_writes_nothing(
+    tmp_path, fake_time, capsys
+):
+    """Only `step >= train.steps` used to mark a finished run: a budgeted one trained another step
+    (a new step dir, the final eval again, more metric rows). Its last checkpoint records that
+    the budget ended it; a resume with the same budget has nothing to do."""
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from dflash.run.launcher import launch
+    from dflash.train.colocated import run_colocated
+
+    cfg = _cfg(tmp_path)
+    out = run_colocated(cfg, str(tmp_path / "b"))
+    assert os.path.basename(out["checkpoint"]) == "step_00000011"
+    before = _tree(tmp_path)
+    over = [*_overrides(tmp_path), "run_name=b", "resume=true"]
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        launch(compose("config", overrides=over))
+    said = capsys.readouterr().out
+    assert "is finished: its time budget (train.time_budget_min=1) ran out at step 11" in said
+    assert "drafter.init_from=" in said
+    assert _tree(tmp_path) == before
+
+
+def _tree(root) -> list:
+    """Every directory and file name under root, and the metrics rows."""
+    return sorted(
+        (
+            d,
+            sorted(names),
+            open(os.path.join(d, "metrics.jsonl")).read() if "metrics.jsonl" in names else "",
+        )
+        for d, _, names in os.walk(root)
+    )

@@ -67,8 +67,11 @@ def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
 
 
 def test_eval_drafts_equal_training_path(tiny_qwen):
-    """The eval's cached-context pass gives the same predictions as the training forward."""
-    from dflash.drafter.blocks import build_blocks, mask_rules
+    """The eval's cached-context pass over every anchor (blocks built by dflash.drafter.blocks,
+    one batched forward) against a plain loop that runs each block alone with an explicit key
+    list (tests/test_drafter.py::_reference, no shared block or mask code): the same log-probs
+    over the whole vocabulary, the same drafts, at every anchor."""
+    from test_drafter import _reference
 
     d = make_drafter(tiny_qwen, block_size=4)
     g = torch.Generator().manual_seed(0)
@@ -76,29 +79,14 @@ def test_eval_drafts_equal_training_path(tiny_qwen):
     aux = tiny_qwen.capture(ids).aux_NTF
     item = EvalItem(ids[0, :8], ids[0, 8:], aux[0])
     heads = Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head)
-    draft, lp, tk = draft_all_anchors(d, heads, item, top_k=4, anchor_chunk=5)
-    anchors = torch.arange(8, 20)[None]
-    blk = build_blocks(
-        ids,
-        torch.arange(20)[None],
-        torch.zeros(1, 20, dtype=torch.long),
-        anchors,
-        torch.ones_like(anchors, dtype=torch.bool),
-        4,
-        511,
-        mask_rules(d.spec),
-    )
+    V = tiny_qwen.vocab_size
+    draft, lp, tk = draft_all_anchors(d, heads, item, top_k=V, anchor_chunk=5)
     with torch.no_grad():
-        h = d(
-            heads.embed(blk.block_ids_NQ),
-            blk.block_pos_NQ,
-            blk.masks,
-            aux_NTF=aux,
-            ctx_pos_NT=torch.arange(20)[None],
-        )
-    ref = (h.view(12, 4, -1)[:, 1:] @ heads.lm_head.weight.t()).argmax(-1)
-    assert torch.equal(draft, ref)
-    assert lp.shape == (12, 3, 4) and torch.equal(tk[..., 0], draft)
+        h = _reference(d, heads.embed, ids, aux, torch.arange(8, 20)[None])
+        ref = torch.log_softmax(d.logits(h[:, 1:], heads.lm_head.weight), -1)  # [12, 3, V]
+    got = torch.full_like(ref, float("nan")).scatter(-1, tk, lp)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=0)
+    assert torch.equal(draft, ref.argmax(-1)) and lp.shape == (12, 3, V)
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +203,7 @@ def test_eval_cli_real_decoding(trained_run, tmp_path):
     "break_it,match",
     [
         ("corrupt", "not a readable safetensors"),
+        ("flipped", "model.safetensors differs from its sha256 in manifest.json"),
         ("hidden", "hidden size"),
         ("vocab", "vocab"),
         ("layers", "final layer"),
@@ -228,10 +217,17 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
     run_dir, _ = trained_run
     ck = tmp_path / "ck"
     shutil.copytree(run_dir / "checkpoints" / "step_00000020", ck)
+    if break_it != "flipped":  # the other checks, on a directory without a manifest (published)
+        os.remove(ck / "manifest.json")
     extra = []
     cfg = json.load(open(ck / "config.json"))
     if break_it == "corrupt":
         (ck / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    elif break_it == "flipped":  # 64 bytes flipped inside the weights: the file still parses
+        data = bytearray((ck / "model.safetensors").read_bytes())
+        for i in range(len(data) - 64, len(data)):
+            data[i] ^= 0xFF
+        (ck / "model.safetensors").write_bytes(bytes(data))
     elif break_it == "hidden":  # a target of another width
         extra = ["target.config.hidden_size=64", "target.config.head_dim=16"]
     elif break_it == "vocab":
@@ -242,7 +238,7 @@ def test_eval_cli_refuses_bad_checkpoints(trained_run, tmp_path, break_it, match
         cfg["dflash_config"]["target_layer_ids"] = [1, 3]
     else:
         os.remove(ck / "config.json")
-    if (ck / "config.json").exists():
+    if (ck / "config.json").exists() and break_it != "flipped":
         json.dump(cfg, open(ck / "config.json", "w"))
     r = subprocess.run(
         [
@@ -334,3 +330,68 @@ def test_eval_cli_keeps_the_runs_eval_keys_it_is_not_told_to_change():
     )
     assert out.eval.real_decode_prompts == 4
     assert label == "eval (but eval.real_decode_prompts)"
+
+
+def _flip_inside(path, needle: bytes) -> None:
+    """Flip the bytes of `needle` where it sits in the file: damage that still parses."""
+    data = bytearray(path.read_bytes())
+    at = data.find(needle)
+    assert at > 0 and len(needle) == 64
+    data[at : at + 64] = bytes(b ^ 0x5A for b in needle)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("which", ["train_state.pt", "model.safetensors"])
+def test_flipped_bytes_in_a_checkpoint_are_refused_naming_the_file(tiny_qwen, tmp_path, which):
+    """64 bytes flipped inside the weights load without an error from torch / safetensors (the
+    resumed run or the eval would go on on other weights); the manifest's sha256 refuses them at
+    resume, in eval.py's and drafter.init_from's load_drafter, naming the file."""
+    from dflash.config import DrafterConfig, RunConfig
+    from dflash.train.build import build_drafter
+    from dflash.train.resume import load_checkpoint
+
+    d = make_drafter(tiny_qwen)
+    step = save_checkpoint(str(tmp_path), 3, d, {"x": 1})
+    fc = d.fc.weight.detach().flatten()[:32]
+    needle = (
+        fc.numpy().tobytes()
+        if which == "train_state.pt"
+        else fc.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    )
+    path = tmp_path / "checkpoints" / "step_00000003" / which
+    _flip_inside(path, needle[:64])
+    if which == "train_state.pt":  # still a readable train state, with other weights
+        assert not torch.equal(
+            torch.load(path, weights_only=False)["drafter_fp32"]["fc.weight"], d.fc.weight
+        )
+    loads = [lambda: load_checkpoint(step, make_drafter(tiny_qwen))]
+    if which == "model.safetensors":
+        loads.append(lambda: load_drafter(step))
+        spec = d.spec
+        dcfg = DrafterConfig(
+            num_layers=spec.num_hidden_layers,
+            layer_types=list(spec.layer_types),
+            sliding_window=spec.sliding_window,
+            target_layer_ids=list(spec.target_layer_ids),
+            block_size=spec.block_size,
+            num_attention_heads=spec.num_attention_heads,
+            num_key_value_heads=spec.num_key_value_heads,
+            head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate_size,
+            init_from=step,
+        )
+        loads.append(lambda: build_drafter(RunConfig(drafter=dcfg), tiny_qwen.shape))
+    for load in loads:
+        with pytest.raises(ValueError) as e:
+            load()
+        assert str(e.value).startswith(f"{path} differs from its sha256 in manifest.json"), e.value
+
+
+def test_weights_holding_nan_are_refused_on_load(tiny_qwen, tmp_path):
+    """A directory without a manifest (a published drafter) is still checked for NaN / inf."""
+    d = make_drafter(tiny_qwen)
+    with torch.no_grad():
+        d.norm.weight[3] = float("nan")
+    save_drafter(str(tmp_path), d, manifest=False)
+    with pytest.raises(ValueError, match="1 weight tensor.s. hold NaN or inf .norm.weight."):
+        load_drafter(str(tmp_path))

@@ -104,3 +104,32 @@ def test_failed_compile_goes_on_eager_with_a_warning(tiny_qwen, monkeypatch):
     for x, y in zip(eager.drafter.parameters(), comp.drafter.parameters()):
         assert torch.allclose(x, y, atol=1e-7)
     comp.train_step([tb])  # later steps: eager, no second attempt
+
+
+def test_packed_batches_have_one_row_count_under_compile(tiny_qwen):
+    """data.pack_to packs a micro-batch into as many rows as its lengths need (here 1 to 3): under
+    train.compile every batch is padded to micro_batch_size rows, so the drafter keeps one
+    shape, and the padding rows change nothing (same loss as the unpadded batch)."""
+    from dflash.train.build import make_batch
+
+    cfg = RunConfig()
+    cfg.train.compile, cfg.train.micro_batch_size, cfg.data.pack_to = True, 4, 64
+    groups = [[14, 12, 10, 9], [40, 30, 20, 12], [60, 50, 45, 7]]
+    samples = [s for i, g in enumerate(groups) for s in _samples(tiny_qwen, g, seed=i)]
+    samples = [Sample(i, s.input_ids, s.loss_mask) for i, s in enumerate(samples)]
+    rows, shapes = [], set()
+    for k in range(3):
+        idx = list(range(4 * k, 4 * k + 4))
+        plain = collate([samples[i] for i in idx], pack_to=64)
+        rows.append(plain.input_ids_NT.shape[0])
+        tb = make_batch(tiny_qwen, samples, idx, cfg)
+        shapes.add(tuple(tb.input_ids_NT.shape))
+        assert tb.row_seeds[: len(plain.row_seeds)] == plain.row_seeds
+        drafter = make_drafter(tiny_qwen)
+        eager = _trainer(tiny_qwen, copy.deepcopy(drafter))
+        a = eager.train_step([target_forward(tiny_qwen, plain)])
+        b = _trainer(tiny_qwen, copy.deepcopy(drafter)).train_step([tb])
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-5)
+        assert b["train/labels"] == a["train/labels"]
+    assert len(set(rows)) == 3  # packing alone: three row counts
+    assert shapes == {(4, 64)}

@@ -151,6 +151,26 @@ def test_chat_template_applied_explicitly():
     assert encode_prompts(["abcd"], tok, replace(tc, chat_template=False)) == [[9, 4]]
 
 
+def test_a_conversation_ending_with_an_assistant_turn_is_answered_by_the_target(capsys):
+    """[user, assistant] would get a second assistant turn generated after the dataset's answer:
+    the trailing assistant turn goes (the target answers the user itself), counted in a line;
+    a row of assistant turns only has nothing to answer and is skipped, counted too."""
+    from dflash.target.tokenizer import byte_tokenizer
+
+    tok, tc = byte_tokenizer(300), TargetConfig(chat_template=True)
+    user = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    answered = user + [{"role": "assistant", "content": "hello"}]
+    got = encode_prompts([answered, "q", [{"role": "assistant", "content": "x"}]], tok, tc)
+    assert got == encode_prompts([user, "q"], tok, tc)
+    kw = dict(add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False)
+    assert got[0] == list(tok.apply_chat_template(user, **kw))  # ends: "<|im_start|>assistant\n"
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line == (
+        "data: 2 conversation(s) ended with an assistant turn: dropped it, the target answers "
+        "the turn before itself; 1 held only assistant turns and were skipped"
+    )
+
+
 def test_batched_encoding_equals_one_prompt_at_a_time():
     """encode_prompts tokenizes 1,024 prompts a call: the ids equal the tokenizer's own
     one-conversation apply_chat_template (and plain call) for every prompt, across chunks."""

@@ -85,3 +85,26 @@ def test_fused_ce_with_a_one_row_tail_and_a_single_row_matches_plain():
         assert torch.allclose(l1.double(), l2.double(), rtol=1e-6)
         assert torch.allclose(c1.double(), c2.double())
         assert h2.grad.shape == (M, 6) and torch.allclose(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_ce_adds_the_heads_bias_like_the_plain_path():
+    """A target whose lm_head has a bias: both paths compute CE over h @ W.T + b (the value
+    against an explicit nn.Linear), with the same gradient."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(20, 8, generator=g, dtype=torch.float64)
+    head = torch.nn.Linear(8, 30, bias=True).double()
+    with torch.no_grad():
+        head.bias.copy_(torch.randn(30, generator=g) * 3)
+    labels = torch.randint(0, 30, (20,), generator=g)
+    weights = torch.rand(20, generator=g, dtype=torch.float64)
+    ref = (torch.nn.functional.cross_entropy(head(h), labels, reduction="none") * weights).sum()
+    w, b = head.weight.detach(), head.bias.detach()
+    h1, h2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    l1, _ = weighted_ce_sum(h1, w, labels, weights, chunk=7, lm_head_b_V=b)
+    l2, _ = fused_weighted_ce_sum(
+        h2, w, labels, weights, chunk=7, dtype=torch.float64, lm_head_b_V=b
+    )
+    l1.backward()
+    l2.backward()
+    assert torch.allclose(l1, ref.detach()) and torch.allclose(l2.double(), ref.detach())
+    assert torch.allclose(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)

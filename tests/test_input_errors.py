@@ -83,13 +83,19 @@ def test_malformed_jsonl_through_train_py_is_one_error_line(tmp_path):
         lambda p: torch.save([1, 2], p),  # a readable file without a train state
     ],
 )
-def test_corrupt_train_state_names_the_file(tiny_qwen, tmp_path, damage):
+@pytest.mark.parametrize("manifest", [True, False])
+def test_corrupt_train_state_names_the_file(tiny_qwen, tmp_path, damage, manifest):
+    """With its manifest, the checkpoint's sha256 catches the damage first; without one (a
+    checkpoint of an older dflash), reading the file does."""
     d = make_drafter(tiny_qwen)
     step = save_checkpoint(str(tmp_path), 3, d, {"x": 1})
     state = tmp_path / "checkpoints" / "step_00000003" / STATE_FILE
+    if not manifest:
+        os.remove(os.path.join(step, "manifest.json"))
     damage(state)
     with pytest.raises(ValueError) as e:
         load_checkpoint(step, make_drafter(tiny_qwen))
     msg = str(e.value)
-    assert msg.startswith(str(state)) and "resume from another step_* directory" in msg, msg
+    how = "differs from its sha256" if manifest else "resume from another step_* directory"
+    assert msg.startswith(str(state)) and how in msg, msg
     assert "\n" not in msg and os.path.isfile(state)

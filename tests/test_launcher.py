@@ -216,19 +216,13 @@ def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys)
     assert "no CUDA device" in capsys.readouterr().err and time.monotonic() - t0 < 10
 
 
-@pytest.mark.parametrize(
-    "train,resume,match",
-    [
-        ({"dist": "deepspeed", "zero_stage": 3}, "/some/run", "resume with train.dist=deepspeed"),
-        ({"dist": "fsdp"}, "/some/run", "resume with train.dist=fsdp"),
-    ],
-)
-def test_distribution_choices_checked_before_loading(train, resume, match):
+def test_sharded_modes_are_not_refused_at_resume():
+    """fsdp and DeepSpeed checkpoints hold each rank's optimizer state: resume is checked like
+    ddp's (tests/test_parallelize.py resumes them), not refused before loading."""
     from dflash.config import RunConfig, TrainConfig
     from dflash.run.preflight import check_dist
 
-    with pytest.raises(ValueError, match=match):
-        check_dist(RunConfig(train=TrainConfig(**train), resume=resume))
+    check_dist(RunConfig(train=TrainConfig(dist="fsdp"), resume="/some/run"))
 
 
 def test_missing_data_file_is_named_before_loading(tmp_path):

@@ -119,24 +119,70 @@ def test_a_target_with_recurrent_layers_is_never_packed():
     assert not attends_only(target.model) and not target.packs_capture
 
 
-def test_a_packed_capture_that_disagrees_falls_back_with_a_warning(monkeypatch, capsys):
-    target = _tiny_qwen2_sliding()
+def _leaky(target, monkeypatch, eps: float):
+    """A capture whose packed rows leak as flash attention's do with several rows: every sample
+    after the first of a row is off by a relative eps (positions behind a restart)."""
     real = target.capture
 
-    def broken(ids, att=None, with_final_hidden=False, label_chunk=4096, position_ids_NT=None):
+    def leaky(ids, att=None, with_final_hidden=False, label_chunk=4096, position_ids_NT=None):
         out = real(ids, att, with_final_hidden, label_chunk, position_ids_NT)
-        if position_ids_NT is not None:  # as if the kernel ignored the restarting positions
-            out.aux_NTF = out.aux_NTF + 1.0
+        if position_ids_NT is not None:
+            later = position_ids_NT < torch.arange(ids.shape[1])[None]
+            out.aux_NTF = out.aux_NTF * (1 + eps * later[..., None])
         return out
 
-    monkeypatch.setattr(target, "capture", broken)
-    batch = collate(_samples(target.vocab_size), pad_id=0)
+    monkeypatch.setattr(target, "capture", leaky)
+
+
+def _batch(lengths, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        lm = torch.zeros(n, dtype=torch.bool)
+        lm[n // 2 :] = True
+        out.append(Sample(i, torch.randint(0, vocab - 2, (n,), generator=g), lm))
+    return collate(out, pad_id=0)
+
+
+def test_a_packed_capture_that_disagrees_falls_back_with_a_warning(monkeypatch, capsys):
+    """The check waits for a batch with a shared row (equal lengths: one sample per packed row,
+    packed == unpacked whatever the kernel does), then compares that row's samples: a leak of
+    5e-4 relative in the second sample of one shared row among six single rows is caught (over
+    the whole batch it is 6.6e-5, under the fp32 tolerance 1e-4) and packing falls back."""
+    target = _tiny_qwen2_sliding()
+    _leaky(target, monkeypatch, eps=5e-4)
+    vacuous = _batch([40] * 4, target.vocab_size)
+    target_forward(target, vacuous)
+    out = capsys.readouterr()
+    assert "packed" not in out.out + out.err
+    assert target.packs_capture and target.pack_check_pending  # nothing was compared yet
+    batch = _batch([40] * 6 + [7, 3], target.vocab_size, seed=1)  # 7 + 3 share a row
     got = target_forward(target, batch)
     assert "packed target capture differs from one sample per row" in capsys.readouterr().err
-    assert not target.packs_capture
+    assert not target.packs_capture and not target.pack_check_pending
     target.packs_capture = False
     ref = target_forward(target, batch)
     torch.testing.assert_close(got.aux_NTF, ref.aux_NTF)
+
+
+def test_attention_kernels_that_mix_packed_rows_never_pack(capsys):
+    """flash_attention_2/3 follow restarting position ids for a single row only: with several
+    packed rows, samples would attend across each other. Such a target captures one sample per
+    row, saying so; sdpa / eager / flex keep packing."""
+    import copy
+
+    from dflash.target.capture import Target
+
+    base = get_target("tiny_llama")
+    assert base.packs_capture
+    model = copy.deepcopy(base.model)
+    model.config._attn_implementation = "flash_attention_2"
+    t = Target(model, base.layer_ids, packed_capture=True)
+    assert not t.packs_capture
+    assert (
+        "one sample per row: attention implementation 'flash_attention_2'"
+        in capsys.readouterr().err
+    )
 
 
 def _compiled(target, monkeypatch, backend="eager"):

@@ -131,8 +131,9 @@ _ACT = {
 }
 
 
-def _eager(cfg, t, embed_W, lm_W, ids, aux, anchors):
-    """Per anchor, one block alone: logits [A, B-1, V] from config.json's definitions."""
+def _eager(cfg, t, embed_W, lm_W, ids, aux, anchors, lm_b=None):
+    """Per anchor, one block alone: logits [A, B-1, V] from config.json's definitions: the block
+    embeddings are rows of the target's table, the logits the target's head (with its bias)."""
     dc = cfg["dflash_config"]
     knob = lambda k, d=None: dc.get(k, cfg.get(k, d))  # noqa: E731
     B = int(knob("block_size", 16))
@@ -200,6 +201,7 @@ def _eager(cfg, t, embed_W, lm_W, ids, aux, anchors):
                 act(lin(h2, p + "mlp.gate_proj")) * lin(h2, p + "mlp.up_proj"), p + "mlp.down_proj"
             )
         logits = rms(x, t["norm.weight"])[1:] @ lm_W.double().t()
+        logits = logits + lm_b.double() if lm_b is not None else logits
         logits = logits * float(knob("output_multiplier", 1.0))
         c = knob("final_logit_softcapping")
         if c is not None and c > 0:
@@ -235,18 +237,36 @@ def _ours_blocks(drafter, embed_W, lm_W, ids, aux, anchors):
         return drafter.logits(h, lm_W)
 
 
-def _ours_decoding(drafter, embed_W, lm_W, ids, aux, a):
+def _ours_decoding(drafter, embed_W, lm_W, ids, aux, a, heads=None):
     from dflash.decoding.steps import DrafterState
 
+    heads = heads or _heads(embed_W, lm_W)
     target = SimpleNamespace(
-        embed_tokens=lambda x: F.embedding(x, embed_W),
-        lm_head=SimpleNamespace(weight=lm_W),
-        device=torch.device("cpu"),
+        embed_tokens=heads.embed, lm_head=heads.lm_head, device=torch.device("cpu")
     )
     st = DrafterState(target, drafter)
     st.append(aux[: a - 3])  # context arrives in two pieces, as rounds append it
     st.append(aux[a - 3 : a])
     return st.draft_logits(a, int(ids[a]))
+
+
+def _heads(embed_W, lm_W, lm_b=None, embed_scale=None):
+    """The target's heads as modules: a Gemma-style embedding that scales its output (the
+    reference reads the table, not the module), a head with a bias (the reference calls it)."""
+    from dflash.target.shape import Heads
+
+    class ScaledEmbedding(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * embed_scale
+
+    embed = (ScaledEmbedding if embed_scale else torch.nn.Embedding)(V, H)
+    head = torch.nn.Linear(H, V, bias=lm_b is not None)
+    with torch.no_grad():
+        embed.weight.copy_(embed_W)
+        head.weight.copy_(lm_W)
+        if lm_b is not None:
+            head.bias.copy_(lm_b)
+    return Heads(embed, head)
 
 
 CASES = {
@@ -355,13 +375,19 @@ def test_fields_survive_export_and_reload(tmp_path):
 def test_training_loss_uses_the_fields(tmp_path):
     """The trainer's chunked CE sees the same logits (embedding scale, rope, masks, multiplier,
     softcapping) as the eager reference."""
-    from dflash.config import TrainConfig
-    from dflash.data.batch import TargetBatch
-    from dflash.train.step import DrafterTrainer, Heads
+    from dflash.train.step import Heads
 
     cfg, t, drafter, embed_W, lm_W, ids, aux = _setup(tmp_path, CASES["all_at_once"])
     heads = Heads(torch.nn.Embedding.from_pretrained(embed_W), torch.nn.Linear(H, V, bias=False))
     heads.lm_head.weight.data.copy_(lm_W)
+    _check_training_loss(cfg, t, drafter, heads, embed_W, lm_W, ids, aux)
+
+
+def _check_training_loss(cfg, t, drafter, heads, embed_W, lm_W, ids, aux, lm_b=None):
+    from dflash.config import TrainConfig
+    from dflash.data.batch import TargetBatch
+    from dflash.train.step import DrafterTrainer
+
     tr = DrafterTrainer(
         drafter,
         heads,
@@ -383,11 +409,55 @@ def test_training_loss_uses_the_fields(tmp_path):
     blocks, labels, weights = prep.blocks, prep.labels_NAK, prep.weights_NAK
     loss, _ = tr.forward_sums(tb, prep)
     anchors = blocks.anchors_NA[0][blocks.valid_NA[0]].tolist()
-    ref_logits = _eager(cfg, t, embed_W, lm_W, ids_T.tolist(), aux, anchors)
+    ref_logits = _eager(cfg, t, embed_W, lm_W, ids_T.tolist(), aux, anchors, lm_b)
     n = len(anchors)
     ce = F.cross_entropy(ref_logits.reshape(-1, V), labels[0, :n].reshape(-1), reduction="none")
     ref = (ce * weights[0, :n].reshape(-1)).sum()
     assert torch.allclose(loss, ref, rtol=1e-4), (loss, ref)
+
+
+def test_the_targets_heads_are_used_as_the_reference_uses_them(tmp_path):
+    """A target whose embedding module scales its output (Gemma: x sqrt(H)) and whose lm_head
+    has a bias: the reference drafts from the raw table and through lm_head(h), bias included;
+    so do training's loss, the eval's drafts and its target distributions, and decoding."""
+    from dflash.eval.offline import draft_all_anchors
+    from dflash.eval.sets import EvalItem
+
+    cfg, t, drafter, embed_W, lm_W, ids, aux = _setup(tmp_path, CASES["all_at_once"])
+    lm_b = torch.randn(V, generator=torch.Generator().manual_seed(9)) * 2
+    heads = _heads(embed_W, lm_W, lm_b, embed_scale=math.sqrt(H))
+    _check_training_loss(cfg, t, drafter, heads, embed_W, lm_W, ids, aux, lm_b)
+    P = 8
+    anchors = list(range(P, T_LEN))
+    ref = _eager(cfg, t, embed_W, lm_W, ids.tolist(), aux, anchors, lm_b)
+    item = EvalItem(ids[:P], ids[P:T_LEN], aux[:T_LEN])
+    _, lp, top = draft_all_anchors(drafter, heads, item, top_k=V)
+    got = torch.full_like(ref, float("nan")).scatter(-1, top, lp)
+    torch.testing.assert_close(got, torch.log_softmax(ref, -1), atol=2e-4, rtol=1e-4)
+    dec = _ours_decoding(drafter, embed_W, lm_W, ids, aux, 16, heads)
+    torch.testing.assert_close(dec, ref[16 - P], atol=2e-4, rtol=1e-4)
+    # the eval's target distributions at T > 0: lm_head(final hidden), bias included
+    from dflash.decoding.rejection import overlap
+    from dflash.eval.offline import _overlaps
+
+    g = torch.Generator().manual_seed(3)
+    final, q_logits = torch.randn(T_LEN - P, H, generator=g), torch.randn(4, 3, V, generator=g)
+    item = EvalItem(ids[:P], ids[P:T_LEN], aux[:T_LEN], final)
+    alpha = _overlaps(q_logits, item, 0, heads, [1.0], 1.0, 0)[..., 0, 0]
+    rows = torch.arange(4)[:, None] + torch.arange(1, 4)[None]  # completion index of each draft
+    p = (final[rows] @ lm_W.t() + lm_b).softmax(-1)
+    torch.testing.assert_close(alpha, overlap(p, q_logits.softmax(-1)), atol=1e-5, rtol=1e-5)
+
+
+def test_the_split_trainers_read_the_heads_bias(tmp_path):
+    from safetensors.torch import save_file as save
+
+    from dflash.train.split.heads import read_head_bias
+
+    save({"model.embed_tokens.weight": torch.zeros(4, 2)}, str(tmp_path / "a.safetensors"))
+    assert read_head_bias(str(tmp_path)) is None
+    save({"lm_head.bias": torch.arange(4.0)}, str(tmp_path / "b.safetensors"))
+    assert torch.equal(read_head_bias(str(tmp_path)), torch.arange(4.0))
 
 
 @pytest.mark.parametrize(

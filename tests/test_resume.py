@@ -207,3 +207,79 @@ def test_resume_of_a_run_dir_restores_the_overrides_it_started_with(tmp_path):
         f"torchrun --nproc-per-node 2 train.py topology=split resume={run}\n"
     )
     assert with_run_overrides([f"resume={run}"])[1] == ["topology=split"]
+
+
+def _train_run(tmp_path, name, *over, stop_at=None):
+    from dflash.train.colocated import run_colocated
+
+    cfg = typed(tmp_path, f"run_name={name}", f"data.cache_dir={tmp_path}/cache", *over)
+    return run_colocated(cfg, str(tmp_path / name), stop_at=stop_at)
+
+
+def test_resume_on_edited_samples_of_the_same_count_is_refused_naming_the_cache(tmp_path):
+    """The same number of samples, one token changed in the cached dataset: the stream position
+    would continue on other samples; the samples' digest in the checkpoint refuses it."""
+    import glob
+
+    import torch
+
+    _train_run(tmp_path, "r", "train.steps=6", stop_at=3)
+    (cache,) = glob.glob(str(tmp_path / "cache" / "train-*.pt"))
+    data = torch.load(cache)
+    data["input_ids"][5] = (data["input_ids"][5] + 1) % 500
+    torch.save(data, cache)
+    with pytest.raises(ValueError) as e:
+        _train_run(tmp_path, "r", "train.steps=6", "resume=true")
+    msg = str(e.value)
+    assert msg.startswith(f"resume: the samples in {tmp_path}/cache are not the ones"), msg
+    assert "regenerated or edited" in msg
+
+
+def test_resume_with_another_step_layout_says_so_and_records_it(tmp_path, capsys):
+    _train_run(tmp_path, "r", "train.steps=6", stop_at=3)
+    capsys.readouterr()
+    _train_run(tmp_path, "r", "train.steps=6", "resume=true", "train.micro_batch_size=4")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "step layout changed" in ln]
+    assert lines == [
+        "resume: the step layout changed at step 3 (train.micro_batch_size 2 -> 4); from here on "
+        "the run is not the uninterrupted one (another cut of the samples into steps); recorded "
+        "in run_config.json (layout_changes)"
+    ]
+    saved = json.load(open(tmp_path / "r" / "run_config.json"))
+    assert saved["layout_changes"] == [
+        {"step": 3, "from": {"train.micro_batch_size": 2}, "to": {"train.micro_batch_size": 4}}
+    ]
+    assert saved["train"]["micro_batch_size"] == 4
+
+
+def test_a_damaged_metrics_row_drops_only_itself(tmp_path, capsys):
+    """A NUL-filled row in the middle of metrics.jsonl: every parseable row up to the checkpoint
+    stays, the damaged one goes with a line, rows past the checkpoint are redone."""
+    _train_run(tmp_path, "r", "train.steps=8", stop_at=7)  # checkpoint at step 6
+    path = tmp_path / "r" / "metrics.jsonl"
+    rows = path.read_bytes().split(b"\n")
+    assert [json.loads(r)["step"] for r in rows if r] == list(range(1, 8))
+    rows[1] = b"\x00" * len(rows[1])  # the row of step 2
+    path.write_bytes(b"\n".join(rows))
+    capsys.readouterr()
+    _train_run(tmp_path, "r", "train.steps=8", "resume=true")
+    assert "metrics.jsonl: line 2 is damaged (not JSON); dropped it" in capsys.readouterr().out
+    steps = [json.loads(r)["step"] for r in path.read_bytes().split(b"\n") if r]
+    assert steps == [1, 3, 4, 5, 6, 7, 8]
+
+
+def test_resume_reads_the_train_state_to_the_cpu(tiny_qwen, tmp_path, monkeypatch):
+    """Under DDP every rank reads train_state.pt: without map_location its tensors go to the
+    device that saved them (GPU 0 for every rank)."""
+    import torch
+
+    import dflash.train.resume as rs
+
+    d = make_drafter(tiny_qwen)
+    step = save_checkpoint(str(tmp_path), 3, d, {"x": 1})
+    calls, real = [], torch.load
+    monkeypatch.setattr(
+        rs.torch, "load", lambda *a, **k: calls.append(k.get("map_location")) or real(*a, **k)
+    )
+    rs.load_checkpoint(step, make_drafter(tiny_qwen))
+    assert calls == ["cpu"]

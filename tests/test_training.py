@@ -43,19 +43,41 @@ def _grads(trainer, micro):
     return {k: v.grad.clone() for k, v in trainer.drafter.named_parameters()}
 
 
+def _step_grads(trainer, micro) -> dict:
+    """The gradients the trainer's own step hands to the optimizer (read just before it)."""
+    grads, real_step = {}, trainer.par.step
+
+    def spy():
+        grads.update({k: v.grad.clone() for k, v in trainer.drafter.named_parameters()})
+        return real_step()
+
+    trainer.par.step = spy
+    trainer.train_step(micro)
+    return grads
+
+
 def test_grad_accumulation_equals_one_big_batch(tiny_qwen):
+    """Through the trainer's step: micro-batches of 1, 2 and 1 samples (different label counts)
+    give the gradient of one batch of all 4, and that gradient is sum(w * CE) / sum(w) over the
+    whole batch (computed here without the trainer's step)."""
+    import copy
+
     s = _samples(tiny_qwen)
     drafter = make_drafter(tiny_qwen)
-    tr = _trainer(tiny_qwen, drafter)
     big = [target_forward(tiny_qwen, collate(s))]
     small = [
         target_forward(tiny_qwen, collate(s[:1])),
         target_forward(tiny_qwen, collate(s[1:3])),
         target_forward(tiny_qwen, collate(s[3:])),
     ]
-    g_big, g_small = _grads(tr, big), _grads(tr, small)
+    labels = [float(_trainer(tiny_qwen, drafter).prepare(tb, 0).weights_NAK.sum()) for tb in small]
+    assert len(set(labels)) > 1  # a per-micro-batch denominator would weigh them differently
+    g_big = _step_grads(_trainer(tiny_qwen, copy.deepcopy(drafter)), big)
+    g_small = _step_grads(_trainer(tiny_qwen, copy.deepcopy(drafter)), small)
+    g_ref = _grads(_trainer(tiny_qwen, copy.deepcopy(drafter)), big)
     for k in g_big:
         assert torch.allclose(g_big[k], g_small[k], atol=1e-6, rtol=1e-4), k
+        assert torch.allclose(g_big[k], g_ref[k], atol=1e-6, rtol=1e-4), k
     assert any(g.abs().sum() > 0 for g in g_big.values())
 
 
@@ -334,3 +356,78 @@ def test_label_sampling_by_weight_is_unbiased_and_seeded(tiny_qwen):
     keep_sub[sub.label_index_M] = True
     A_sub = sub.labels_NAK.shape[1]
     assert torch.equal(keep_a.view(4, -1, K)[2:, :A_sub], keep_sub.view(2, A_sub, K))
+    # the trainer's step divides the kept labels' loss (weights w / p) by the weight sum of ALL
+    # real labels (the expectation of the kept ones'), not by the kept labels' weights
+    import copy
+
+    stepper = _trainer(tiny_qwen, copy.deepcopy(drafter), label_sampling="by_weight")
+    with torch.no_grad():
+        kept_sum = float(stepper.forward_sums(tb, stepper.prepare(tb, 0))[0])
+    all_w = float(full.prepare(tb, 0).weights_NAK.sum())
+    assert all_w > float(
+        tr.prepare(tb, 0).weights_NAK.flatten()[tr.prepare(tb, 0).label_index_M].sum()
+    )
+    got = stepper.train_step([tb])["train/loss"]
+    assert got == pytest.approx(kept_sum / all_w, rel=1e-5)
+
+
+def test_a_diverging_run_stops_naming_the_step_and_never_saves_its_weights(tmp_path, monkeypatch):
+    """A NaN loss at step 3 (read at the log step 4, before that step's save): the run stops with
+    one line naming step 3; step 2's checkpoint stays the newest and its weights are finite."""
+    from dflash.common.layout import find_checkpoint
+    from dflash.train.colocated import run_colocated
+
+    real = DrafterTrainer.forward_sums
+
+    def poisoned(self, tb, prepared, model=None):
+        loss, correct = real(self, tb, prepared, model)
+        return (loss * float("nan") if self.step == 2 else loss), correct
+
+    monkeypatch.setattr(DrafterTrainer, "forward_sums", poisoned)
+    cfg = _run_cfg(tmp_path, 8, log_every=4)
+    with pytest.raises(ValueError, match=r"^step 3: the loss or the gradient norm is NaN"):
+        run_colocated(cfg, str(tmp_path / "run"))
+    ck = find_checkpoint(str(tmp_path / "run"))
+    assert os.path.basename(ck) == "step_00000002"
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["latest", "step_00000002"]
+    assert all(torch.isfinite(v).all() for v in _master(ck).values())
+
+
+def test_weights_that_are_not_finite_are_never_saved(tiny_qwen, tmp_path):
+    from dflash.train.resume import find_checkpoint, save_checkpoint
+
+    d = make_drafter(tiny_qwen)
+    good = save_checkpoint(str(tmp_path), 2, d, {})
+    with torch.no_grad():
+        d.fc.weight[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="not saving step 4: the drafter: 1 weight tensor"):
+        save_checkpoint(str(tmp_path), 4, d, {}, keep_last=1)
+    assert find_checkpoint(str(tmp_path)) == good and os.path.isdir(good)  # not rotated out
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]
+
+
+def test_steps_without_any_gradient_warn_once_per_stretch():
+    from dflash.train.loop import ZERO_GRAD_STEPS, Health
+    from dflash.train.step import StepFigures
+
+    h = Health(torch.device("cpu"), lr=1e3)
+
+    def step(n, grad_norm, loss=6.2):
+        h.track(StepFigures(torch.tensor([loss, 0.0, 1.0, 1.0, 0.0, grad_norm]), 1.0), n)
+
+    for n in range(1, ZERO_GRAD_STEPS):
+        step(n, 0.0)
+    assert h.check(ZERO_GRAD_STEPS - 1) is None  # one step short
+    step(ZERO_GRAD_STEPS, 0.0)
+    warning = h.check(ZERO_GRAD_STEPS)
+    assert warning.startswith(
+        f"warning: the gradient norm has been exactly 0 for the last {ZERO_GRAD_STEPS} steps"
+    )
+    step(ZERO_GRAD_STEPS + 1, 0.0)
+    assert h.check(ZERO_GRAD_STEPS + 1) is None  # said once for the stretch
+    step(ZERO_GRAD_STEPS + 2, 0.5)  # a gradient again: the count restarts
+    assert h.check(ZERO_GRAD_STEPS + 2) is None and int(h.state[1]) == 0
+    step(ZERO_GRAD_STEPS + 3, float("nan"))
+    step(ZERO_GRAD_STEPS + 4, float("inf"), loss=float("nan"))
+    with pytest.raises(ValueError, match=f"^step {ZERO_GRAD_STEPS + 3}: "):
+        h.check(ZERO_GRAD_STEPS + 4)

@@ -3,7 +3,8 @@ metrics live, and how a path given by a user resolves to a checkpoint.
 
     <run_dir>/run_config.json          the resolved config (rank 0 writes it at start)
     <run_dir>/metrics.jsonl            one JSON row per logged step
-    <run_dir>/checkpoints/step_00000100/{config.json, model.safetensors, train_state.pt}
+    <run_dir>/checkpoints/step_00000100/{config.json, model.safetensors, train_state.pt,
+                                         manifest.json, optimizer/ (fsdp, deepspeed)}
     <run_dir>/checkpoints/latest       a text file naming the newest step dir
 """
 
@@ -17,6 +18,7 @@ import os
 import torch
 
 from ..config import RunConfig
+from .manifest import read_manifest
 
 STATE_FILE = "train_state.pt"
 
@@ -103,29 +105,69 @@ def newest_run_of(out_root: str, exp_name: str) -> str:
     return max(found)[1]
 
 
-def keep_metrics_until(run_dir: str, step: int) -> None:
-    """Drop the metric rows past the checkpoint being continued (they are trained again), in
-    place, so the file stays the run's one metrics.jsonl."""
+def keep_metrics_until(run_dir: str, step: int) -> list[int]:
+    """Keep the metric rows up to the checkpoint being continued (the rows past it are trained
+    again), in place, so the file stays the run's one metrics.jsonl. A row that does not parse
+    (a half-written last row of a killed run, a damaged block) is dropped alone; every row that
+    parses is kept. Returns the line numbers of the dropped damaged rows."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
-        return
-    with open(path, "r+") as f:
-        keep = 0
-        for line in iter(f.readline, ""):
-            try:
-                if json.loads(line).get("step", 0) > step:
-                    break
-            except json.JSONDecodeError:  # a half-written last row of a killed run
-                break
-            keep = f.tell()
-        f.truncate(keep)
+        return []
+    with open(path, "rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    keep, damaged = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a row")
+        except (ValueError, UnicodeDecodeError):
+            damaged.append(n)
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line + b"\n")
+    # in place, not a new file: the logger already holds it open for appending
+    with open(path, "r+b") as f:
+        f.writelines(keep)
+        f.truncate()
+    return damaged
+
+
+LAYOUT_CHANGES = "layout_changes"  # run_config.json: resumes that cut the steps differently
+
+
+def note_layout_change(run_dir: str, change: dict) -> None:
+    """Append a step layout change to run_config.json (kept by later write_run_config calls)."""
+    saved = read_run_config(run_dir) or {}
+    saved[LAYOUT_CHANGES] = [*saved.get(LAYOUT_CHANGES, []), change]
+    _write_json(os.path.join(run_dir, RUN_CONFIG), saved)
 
 
 def write_run_config(cfg: RunConfig, run_dir: str, extra: dict | None = None) -> None:
     """The resolved config, plus `extra` figures of the run's data (data_mix: each mix source's
-    share of samples and tokens)."""
-    path = os.path.join(run_dir, "run_config.json")
+    share of samples and tokens) and the step layout changes of earlier resumes."""
+    body = {**dataclasses.asdict(cfg), **(extra or {})}
+    try:
+        changes = (read_run_config(run_dir) or {}).get(LAYOUT_CHANGES)
+    except ValueError:  # a damaged file is replaced: it holds nothing to keep
+        changes = None
+    if changes:
+        body[LAYOUT_CHANGES] = changes
+    _write_json(os.path.join(run_dir, RUN_CONFIG), body)
+
+
+def _write_json(path: str, body: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({**dataclasses.asdict(cfg), **(extra or {})}, f, indent=2, default=str)
+        json.dump(body, f, indent=2, default=str)
     os.replace(tmp, path)
+
+
+def ended_at(ckpt: str) -> dict:
+    """How the run stood at this checkpoint, from its manifest ({} when it has none):
+    `ended` "steps" or "budget" when the run finished there, and the budget it ran on."""
+    body = read_manifest(ckpt)
+    return (body or {}).get("run") or {}

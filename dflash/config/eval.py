@@ -36,7 +36,8 @@ class EvalConfig:
     source: str | None = None  # None: the training source, rows training does not use
     paths: list[str] = field(default_factory=list)  # eval prompt files
     show_rounds: int = 2  # rounds printed per prompt in the table
-    # eval/tau_t{T} as the reference samples (dflash.decoding.rejection); top_p/top_k: target and drafter
+    # eval/tau_t{T} (upper estimate) and tau_t{T}_lower (greedy-path lower bound) when sampling as
+    # the reference does (dflash.decoding.rejection); top_p/top_k: target and drafter
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     top_p: float = 1.0  # nucleus (1.0: off)
     top_k: int = 0  # top-k (0: off)

@@ -35,7 +35,9 @@ class TargetConfig:
     device: str = "auto"  # auto: cuda if present, else cpu
     linear_attn_backend: str = "auto"  # auto | fla | torch (Gated-DeltaNet kernels)
     attn_implementation: str = "sdpa"  # transformers attention kernel
-    packed_capture: bool = True  # attention-only targets: samples share rows (checked once)
+    # Attention-only targets with sdpa / eager / flex attention: samples share rows in the clean
+    # capture, checked once against one sample per row on the first batch with a shared row
+    packed_capture: bool = True
     capture_graphs: bool = True  # CUDA, full-attention SDPA targets: packed capture as CUDA graphs
     compile_layers: bool = False  # CUDA: decoder layers torch.compiled for the clean capture
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask

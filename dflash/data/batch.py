@@ -92,11 +92,16 @@ class TargetBatch(TokenBatch):
 
 
 def collate(
-    samples: list[Sample], pad_id: int = 0, pack_to: int | None = None, pad_to: int | None = None
+    samples: list[Sample],
+    pad_id: int = 0,
+    pack_to: int | None = None,
+    pad_to: int | None = None,
+    pad_rows: int | None = None,
 ) -> TokenBatch:
     """Pad each sample to its own row, or (pack_to=L) first-fit pack samples into rows of L.
-    pad_to=L: rows are at least L long (static shapes for `train.compile`; the padding is
-    segment -1, which nothing attends to or is labelled on)."""
+    pad_to=L / pad_rows=N: at least L positions and N rows (static shapes for `train.compile`,
+    where packing makes the row count vary; the padding is segment -1, which nothing attends to
+    or is labelled on, and a padding row has no anchors)."""
     rows: list[list[Sample]] = [[s] for s in samples]
     if pack_to is not None:
         rows = []
@@ -112,7 +117,7 @@ def collate(
                 rows.append([s])
                 fill.append(n)
     T = max(max(sum(s.input_ids.numel() for s in row) for row in rows), pad_to or 0)
-    N = len(rows)
+    N = max(len(rows), pad_rows or 0)
     ids = torch.full((N, T), pad_id, dtype=torch.long)
     pos = torch.zeros(N, T, dtype=torch.long)
     seg = torch.full((N, T), -1, dtype=torch.long)
@@ -129,6 +134,7 @@ def collate(
             order.append(s.sample_id)
             o += n
         seeds.append(row[0].sample_id)
+    seeds += [-1 - r for r in range(N - len(rows))]  # padding rows: no sample, no anchors
     return TokenBatch(ids, pos, seg, lm, torch.tensor(order, dtype=torch.long), seeds)
 
 
@@ -235,7 +241,8 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
             out = graphs(ids, pos, seg)
         else:
             out = target.capture(ids, None, with_final_hidden, position_ids_NT=pos)
-        if target.pack_check_pending:  # once per target: the same outputs as one per row?
+        shared_NT = _sharing_a_row(spans, seg, N, T) if target.pack_check_pending else None
+        if shared_NT is not None:  # once per target: the same outputs as one per row?
             u_ids, att, _, u_index = unpack(batch, spans)
             ref = target.capture(u_ids, att, with_final_hidden=True)  # + logits of near-ties
             if not packed_capture_agrees(
@@ -243,6 +250,7 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
                 [repack(x, index, N, T) for x in (out.aux_NTF, out.next_token_NT)],
                 [repack(x, u_index, N, T) for x in (ref.aux_NTF, ref.next_token_NT)],
                 repack(ref.final_hidden_NTH, u_index, N, T),
+                shared_NT.to(out.aux_NTF.device),
             ):
                 out, index = ref, u_index
                 if not with_final_hidden:
@@ -256,6 +264,21 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
     if out.final_hidden_NTH is not None:
         tb.final_hidden_NTH = repack(out.final_hidden_NTH, index, N, T)
     return tb
+
+
+def _sharing_a_row(spans: list, seg_RL: torch.Tensor, N: int, T: int) -> torch.Tensor | None:
+    """[N, T] the positions (in the batch's layout) of the samples that share a packed row with
+    another sample; None when every sample has a row of its own (nothing to check yet)."""
+    seg = seg_RL.cpu()
+    per_row = [row[row >= 0].unique().tolist() for row in seg]
+    shared = sorted(i for ids in per_row if len(ids) >= 2 for i in ids)
+    if not shared:
+        return None
+    mask = torch.zeros(N, T, dtype=torch.bool)
+    for i in shared:
+        r, o, n = spans[i]
+        mask[r, o : o + n] = True
+    return mask
 
 
 def add_input_noise(

@@ -113,6 +113,7 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
                 f"target.enable_thinking=true but the chat template of target {tcfg.name!r} "
                 "has no thinking switch; set target.enable_thinking=false"
             )
+    prompts = _ending_on_a_user_turn(prompts)
     out = []
     for i in range(0, len(prompts), 1024):  # batched: one fast-tokenizer call per chunk (2x)
         chunk = prompts[i : i + 1024]
@@ -130,6 +131,32 @@ def encode_prompts(prompts: list, tokenizer, tcfg: TargetConfig) -> list[list[in
             texts = [p if isinstance(p, str) else "\n".join(m["content"] for m in p) for p in chunk]
             ids = tokenizer(texts)["input_ids"]
         out += [list(x) for x in ids]
+    return out
+
+
+def _ending_on_a_user_turn(prompts: list) -> list:
+    """A conversation that ends with an assistant turn would get a second assistant turn
+    generated after it: its trailing assistant turns are dropped, so the target writes that
+    answer itself (its own answer is what the drafter must learn); counted in one line."""
+    out, cut, empty = [], 0, 0
+    for p in prompts:
+        if isinstance(p, list) and p and p[-1].get("role") == "assistant":
+            cut += 1
+            while p and p[-1].get("role") == "assistant":
+                p = p[:-1]
+            if not p:
+                empty += 1
+                continue
+        out.append(p)
+    if cut:
+        print(
+            f"data: {cut} conversation(s) ended with an assistant turn: dropped it, the target "
+            f"answers the turn before itself"
+            + (f"; {empty} held only assistant turns and were skipped" if empty else ""),
+            flush=True,
+        )
+    if not out:
+        raise ValueError("no prompts to encode (every conversation held only assistant turns)")
     return out
 
 

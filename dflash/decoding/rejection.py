@@ -16,11 +16,21 @@ Legend: D drafted positions per block, V vocab, n anchors, t temperatures.
 What the offline evaluation computes with it (dflash.eval.offline): DFlash drafts all D positions
 in one pass from [bonus, MASK...], so q_1..q_D do not depend on the sampled draft tokens and are
 exact. The target's p_i, however, depends on the tokens accepted before position i; offline we
-have the target's distributions only along the cached greedy completion. So `eval/tau_t{T}` is
-1 + the expected accepted length per round *when the accepted prefix follows the cached
-continuation* (p_i taken along it), averaged over the rounds of the greedy walk. At T=0 both
-distributions are one-hot and it equals `eval/tau` exactly; at T>0 it is an estimate of what a
-sampled decode would accept, not a replay of one.
+have the target's distributions only along the cached greedy completion g_1..g_D. Two figures
+bracket the exact expectation of a round, averaged over the rounds of the greedy walk:
+
+- `eval/tau_t{T}`, an UPPER ESTIMATE: 1 + sum_k prod_{i<=k} alpha_i with every p_i taken along
+  the greedy path, also after a non-greedy draft token was accepted (where the real p_i is
+  conditioned on that token, and usually agrees less with q_i). It reads high: on a toy target
+  (tests/test_sampling.py enumerates every sampled block) it exceeds the exact expectation.
+- `eval/tau_t{T}_lower`, a LOWER BOUND: 1 + sum_k prod_{i<=k} beta_i with beta_i = min(p_i(g_i),
+  q_i(g_i)), the probability that position i drafts AND accepts the greedy token. Along the
+  greedy path p_i is exact, and P(accepted >= k) >= P(the first k accepted tokens are g_1..g_k)
+  = prod_{i<=k} beta_i, so this never exceeds the exact expectation.
+
+At T=0 both distributions are one-hot and both figures equal `eval/tau` exactly; at T>0 they are
+bounds on what a sampled decode would accept along this walk, not a replay of one
+(`eval.real_decode_prompts` decodes for real beside them; docs/evaluation.md has the gap).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 
 from ..drafter.blocks import block_attention_mask, mask_rules
 from ..target.cache import cache_kw
+from ..target.shape import embed_table, head_bias
 
 
 @dataclass
@@ -175,12 +176,12 @@ class DrafterState:
             (1, B), self.spec.mask_token_id, dtype=torch.long, device=self.target.device
         )
         ids[0, 0] = bonus
-        emb = self.target.embed_tokens(ids).to(dev, self.dtype)
+        emb = embed_table(self.target.embed_tokens, ids).to(dev, self.dtype)
         h = self.drafter(emb, arange_row(start, B, dev), self.masks(start), ctx_kv=self.ctx_kv)[
             0, 1:
         ]
         W = self.target.lm_head.weight
-        return self.drafter.logits(h.to(W.device), W)
+        return self.drafter.logits(h.to(W.device), W, head_bias(self.target.lm_head))
 
 
 def leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:

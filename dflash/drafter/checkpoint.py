@@ -1,5 +1,7 @@
 """The serving-format drafter directory (config.json + model.safetensors with exactly the
-drafter's weights, reference names), read and written; published z-lab drafters load too."""
+drafter's weights, reference names, and a manifest.json of their sha256), read and written;
+published z-lab drafters (no manifest) load too. Loading checks the files against the manifest
+and the weights for NaN / inf."""
 
 from __future__ import annotations
 
@@ -11,19 +13,37 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..common.manifest import verify_manifest, write_manifest
 from .model import DFlashDrafter, DrafterSpec
 
 # Serving weights are written in this dtype; the in-loop eval rounds to it (dflash.eval.offline).
 EXPORT_DTYPE = torch.bfloat16
 
 
-def save_drafter(path: str, drafter: DFlashDrafter, dtype: torch.dtype = EXPORT_DTYPE) -> None:
-    """config.json + model.safetensors with exactly the drafter's weights (reference names)."""
+def save_drafter(
+    path: str, drafter: DFlashDrafter, dtype: torch.dtype = EXPORT_DTYPE, manifest: bool = True
+) -> None:
+    """config.json + model.safetensors with exactly the drafter's weights (reference names), and
+    their manifest.json (manifest=False: the caller writes it after adding its own files)."""
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(drafter.spec.to_hf_config(str(dtype).removeprefix("torch.")), f, indent=2)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if manifest:
+        write_manifest(path)
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse weights holding NaN or inf (a diverged run's, or damaged bytes that still parse)."""
+    bad = [
+        k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())
+    ]
+    if bad:
+        raise ValueError(
+            f"{where}: {len(bad)} weight tensor(s) hold NaN or inf ({', '.join(sorted(bad)[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}); the checkpoint is not usable: use an earlier one"
+        )
 
 
 def read_drafter_config(path: str) -> dict:
@@ -40,12 +60,17 @@ def read_drafter_config(path: str) -> dict:
         raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
 
 
-def load_drafter(path: str, device="cpu", strict: bool = True) -> tuple[DFlashDrafter, dict]:
+def load_drafter(
+    path: str, device="cpu", strict: bool = True, verify: bool = True
+) -> tuple[DFlashDrafter, dict]:
     """Load our checkpoints and published z-lab-format drafters. Returns (drafter, report) where
-    report lists loaded / missing / unexpected parameter names."""
+    report lists loaded / missing / unexpected parameter names. verify: check the files against
+    the directory's manifest.json, when it has one (False: the caller has checked them)."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if verify and os.path.isdir(path):
+        verify_manifest(path, only=["config.json", *(os.path.basename(f) for f in files)])
     cfg = read_drafter_config(path)
     spec = DrafterSpec.from_hf_config(cfg)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
     tensors = {}
@@ -82,6 +107,7 @@ def load_drafter(path: str, device="cpu", strict: bool = True) -> tuple[DFlashDr
         raise ValueError(
             f"{path}: missing drafter weights {missing[:5]}{'...' if len(missing) > 5 else ''}"
         )
+    check_finite({k: tensors[k] for k in loaded}, path)
     drafter.load_state_dict({k: tensors[k].float() for k in loaded}, strict=False)
     report = {
         "loaded": len(loaded),

@@ -187,11 +187,16 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / c) * c
         return logits
 
-    def logits(self, h: torch.Tensor, lm_head_w_VH: torch.Tensor) -> torch.Tensor:
-        """fp32 draft logits through the target's lm_head, in the head's own dtype (no copy of
-        the [V, H] weight) -- the one place eval and decoding make drafter logits (training's
-        chunked loss applies the same `logit_transform`)."""
-        return self.logit_transform((h.to(lm_head_w_VH.dtype) @ lm_head_w_VH.t()).float())
+    def logits(
+        self, h: torch.Tensor, lm_head_w_VH: torch.Tensor, lm_head_b_V: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp32 draft logits through the target's lm_head (its bias too, when it has one), in
+        the head's own dtype (no copy of the [V, H] weight) -- the one place eval and decoding
+        make drafter logits (training's chunked loss applies the same `logit_transform`)."""
+        logits = h.to(lm_head_w_VH.dtype) @ lm_head_w_VH.t()
+        if lm_head_b_V is not None:
+            logits = logits + lm_head_b_V
+        return self.logit_transform(logits.float())
 
 
 def num_params(module: nn.Module) -> int:

@@ -7,7 +7,8 @@ Sampled: for the first N eval prompts and each of eval.temperatures > 0, chain s
 decoding with rejection sampling (`dflash.decoding.sample_chain`, seeded by eval.seed + prompt
 index) for as many tokens as the prompt's cached greedy completion, and its tau (1 + accepted
 drafts per verify round, micro-averaged over rounds) as `decode_tau_t{T}`; next to it the
-offline expected `tau_t{T}` on the same N prompts as `decode_offline_tau_t{T}`. At T=0 sampled
+offline `tau_t{T}` (upper estimate) and `tau_t{T}_lower` (lower bound) on the same N prompts as
+`decode_offline_tau_t{T}` and `decode_offline_tau_t{T}_lower`. At T=0 sampled
 decoding is greedy chain decoding (tests/test_sampled_decoding.py), so `decode_tau_t0` is the
 greedy chain's `decode_tau_chain` (not decoded twice), equal to the offline tau (the offline walk
 is exact for greedy decoding); at T>0 the offline figure takes the target's distributions along
@@ -52,6 +53,7 @@ def decode_report(target, drafter, items: list[EvalItem], n: int, ecfg, log=prin
             tokens += len(res.tokens)
         tau = 1.0 + sum(accepted) / len(accepted) if accepted else math.nan
         out[f"decode_tau_t{t:g}"] = tau
-        out[f"decode_offline_tau_t{t:g}"] = offline[f"tau_t{t:g}"]
+        out[f"decode_offline_tau_t{t:g}"] = offline[f"tau_t{t:g}"]  # upper estimate
+        out[f"decode_offline_tau_t{t:g}_lower"] = offline[f"tau_t{t:g}_lower"]
         out[f"decode_rounds_t{t:g}"] = len(accepted)
     return out

@@ -32,9 +32,10 @@ def draft_all_anchors(
     sampling: tuple | None = None,
 ):
     """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K].
-    sampling=(temperatures, top_p, top_k): also alpha_LDt, the acceptance probability
-    sum_x min(p, q) of every (anchor, position) at each temperature, p from the cached target
-    states along the completion (dflash.decoding.rejection; 0 where no completion token is left)."""
+    sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
+    the acceptance probability sum_x min(p, q) ([..., 0]) and the probability min(p(g), q(g))
+    of accepting the greedy token g ([..., 1]), p from the cached target states along the
+    completion (dflash.decoding.rejection; 0 where no completion token is left)."""
     spec = drafter.spec
     dev = heads.lm_head.weight.device
     P, L = item.prompt_ids.numel(), item.completion_ids.numel()
@@ -58,14 +59,14 @@ def draft_all_anchors(
             spec.mask_token_id,
             mask_rules(spec),
         )
-        emb = heads.embed(blk.block_ids_NQ).to(dtype)
+        emb = heads.embed_ids(blk.block_ids_NQ).to(dtype)
         h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
-        logits = drafter.logits(h, heads.lm_head.weight)
+        logits = drafter.logits(h, heads.lm_head.weight, heads.bias)
         logp = torch.log_softmax(logits, -1)
         drafts.append(logits.argmax(-1).cpu())
         if sampling is not None:
-            alphas.append(_chunk_overlaps(logits, item, s, heads.lm_head.weight, *sampling))
+            alphas.append(_chunk_overlaps(logits, item, s, heads, *sampling))
         if top_k > 0:
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
@@ -75,42 +76,46 @@ def draft_all_anchors(
     return out + (torch.cat(alphas),) if sampling is not None else out
 
 
-def _chunk_overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top_k):
+def _chunk_overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p, top_k):
     """[n, D, t] acceptance probabilities for anchors s0..s0+n-1 (completion indices), a few
     anchors at a time: each warp holds several [rows, D, V] fp32 copies (sort for top-p)."""
     n = q_logits_nDV.shape[0]
     step = 8
     return torch.cat(
         [
-            _overlaps(q_logits_nDV[i : i + step], item, s0 + i, W, temperatures, top_p, top_k)
+            _overlaps(q_logits_nDV[i : i + step], item, s0 + i, heads, temperatures, top_p, top_k)
             for i in range(0, n, step)
         ]
     )
 
 
-def _overlaps(q_logits_nDV, item: EvalItem, s0: int, W, temperatures, top_p, top_k):
+def _overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p, top_k):
     n, D, _ = q_logits_nDV.shape
     L = item.completion_ids.numel()
     rows_nD = s0 + torch.arange(n)[:, None] + torch.arange(1, D + 1)[None]  # completion index
     ok_nD = rows_nD < L
     rows_nD = rows_nD.clamp(max=L - 1)
-    out = torch.zeros(n, D, len(temperatures))
+    out = torch.zeros(n, D, len(temperatures), 2)
+    greedy_nD = item.completion_ids[rows_nD]
     p_logits = None
     for j, temp in enumerate(temperatures):
         if temp <= 0:  # greedy: accepted iff the draft is the cached greedy token
-            hit = q_logits_nDV.argmax(-1).cpu() == item.completion_ids[rows_nD]
-            out[..., j] = (hit & ok_nD).float()
+            hit = q_logits_nDV.argmax(-1).cpu() == greedy_nD
+            out[..., j, :] = (hit & ok_nD).float()[..., None]
             continue
         if item.final_LH is None:
             raise ValueError(
                 "eval.temperatures > 0 needs the target's final hidden states in the eval "
                 "cache; this cache predates them: delete it to rebuild"
             )
-        if p_logits is None:
+        if p_logits is None:  # the target's own logits: lm_head(h), its bias included
+            W, b = heads.lm_head.weight, heads.bias
             h = item.final_LH[rows_nD.flatten()].to(W.device, W.dtype)
-            p_logits = (h @ W.t()).float().view(n, D, -1)
-        a = overlap(warp(p_logits, temp, top_p, top_k), warp(q_logits_nDV, temp, top_p, top_k))
-        out[..., j] = a.cpu() * ok_nD
+            p_logits = (h @ W.t() + (b if b is not None else 0)).float().view(n, D, -1)
+        p, q = warp(p_logits, temp, top_p, top_k), warp(q_logits_nDV, temp, top_p, top_k)
+        g = greedy_nD.to(p.device)[..., None]
+        out[..., j, 0] = overlap(p, q).cpu() * ok_nD
+        out[..., j, 1] = torch.minimum(p.gather(-1, g), q.gather(-1, g))[..., 0].cpu() * ok_nD
     return out
 
 
@@ -125,14 +130,17 @@ def evaluate(
     top_k: int = 0,
 ):
     """Per-prompt reports and the summary (micro-averaged over rounds). With temperatures, the
-    summary also has tau_t{T}: 1 + the expected accepted length per round of the greedy walk at
-    that temperature (dflash.decoding.rejection says exactly what is computed); tau_t0 == tau."""
+    summary also has, per temperature T, 1 + the expected accepted length per round of the
+    greedy walk: tau_t{T}, an upper estimate (the target's distributions kept on the greedy path
+    after a non-greedy draft token is accepted), and tau_t{T}_lower, a lower bound (only
+    acceptances along the greedy path counted); dflash.decoding.rejection says exactly what each
+    is. At T=0 both equal tau."""
     was_training = drafter.training
     drafter.eval()
     reports = []
     temps = [float(t) for t in temperatures]
     sampling = (temps, top_p, top_k) if temps else None
-    expected = torch.zeros(len(temps), dtype=torch.float64)
+    expected = torch.zeros(len(temps), 2, dtype=torch.float64)  # [upper estimate, lower bound]
     for n, it in enumerate(items):
         draft, lp, ids, *alpha = draft_all_anchors(
             drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype, sampling=sampling
@@ -149,15 +157,19 @@ def evaluate(
         )
         reports.append(rep)
         if temps and rep.chain.anchors:
-            a = alpha[0][rep.chain.anchors]  # [rounds, D, t]
+            a = alpha[0][rep.chain.anchors]  # [rounds, D, t, 2]
             avail = torch.tensor(rep.chain.available)
             for j in range(len(temps)):
-                expected[j] += expected_accepted(a[..., j], avail).sum()
+                for b in range(2):
+                    expected[j, b] += expected_accepted(a[..., j, b], avail).sum()
     drafter.train(was_training)
     summary = summarize(reports)
+    rounds = summary["num_rounds"]
     for j, t in enumerate(temps):
-        rounds = summary["num_rounds"]
-        summary[f"tau_t{t:g}"] = 1.0 + float(expected[j]) / rounds if rounds else float("nan")
+        upper, lower = (1.0 + float(x) / rounds if rounds else float("nan") for x in expected[j])
+        summary[f"tau_t{t:g}"] = upper
+        if t > 0:  # at T=0 both are tau
+            summary[f"tau_t{t:g}_lower"] = lower
     return reports, summary
 
 

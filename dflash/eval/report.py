@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 from rich.console import Console
 from rich.table import Table
@@ -62,11 +63,20 @@ def print_report(
     ]
     for k in keys:
         if k in summary:
-            s.add_row(k, _fmt(summary[k]))
+            s.add_row(label(k), _fmt(summary[k]))
     console.print(s)
     speed = speed_table(summary)
     if speed is not None:
         console.print(speed)
+
+
+def label(key: str) -> str:
+    """How a summary figure is named where it is shown: the offline figures at T > 0 bound the
+    exact expected tau from above and below (dflash.decoding.rejection)."""
+    m = re.fullmatch(r"(?:decode_offline_)?tau_t([0-9.e+-]+)(_lower)?", key)
+    if m is None or float(m.group(1)) == 0:
+        return key
+    return f"{key} (lower bound)" if m.group(2) else f"{key} (upper estimate)"
 
 
 def _finite(x):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from ..common.layout import (
     _checkpoint_or_none,
     checkpoint_step,
+    ended_at,
     find_checkpoint,
     is_off,
     newest_run_of,
@@ -63,7 +64,8 @@ SCHEDULE_KEYS = ("train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_
 
 
 class RunFinished(Exception):
-    """resume of a run whose checkpoint is at train.steps: nothing to do (exit 0)."""
+    """resume of a run whose checkpoint ended it (train.steps, or its time budget spent):
+    nothing to do (exit 0)."""
 
 
 @dataclass
@@ -108,6 +110,13 @@ def plan_run(cfg: RunConfig, run_dir: str, named: bool) -> RunPlan:
             f"(train.steps={cfg.train.steps}); nothing to do. To train it further start a new "
             f"run from it: drafter.init_from={ck} (a new schedule; raising train.steps here "
             "would jump the cosine learning rate)"
+        )
+    ran = ended_at(ck)
+    if ran.get("ended") == "budget" and (cfg.train.time_budget_min or 0) <= ran["time_budget_min"]:
+        raise RunFinished(
+            f"run {plan.run_dir} is finished: its time budget (train.time_budget_min="
+            f"{ran['time_budget_min']:g}) ran out at step {plan.step} ({ck}); nothing to do. To "
+            f"train it further start a new run from it: drafter.init_from={ck}"
         )
     return plan
 

@@ -41,11 +41,6 @@ def check_dist(cfg: RunConfig) -> None:
             raise ValueError(
                 "train.dist=deepspeed but DeepSpeed is not installed: pip install 'dflash[deepspeed]'"
             ) from None
-    resume = cfg.resume is not None and str(cfg.resume).lower() not in ("false", "none", "null", "")
-    if resume:
-        from ..train.parallelize import refuse_resume
-
-        refuse_resume(cfg.train)
 
 
 def check_files(cfg: RunConfig) -> None:

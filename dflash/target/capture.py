@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .graphs import CaptureGraphs, CompiledLayers, graphable
-from .packing import attends_only
+from .packing import attends_only, keeps_samples_apart
 from .shape import TargetShape, check_layer_ids
 
 
@@ -67,7 +67,7 @@ class Target(nn.Module):
         self.model = model
         # samples packed into shared rows for the clean forward: only where every layer attends
         # (a recurrence would carry state across samples); checked once against one per row
-        self.packs_capture = packed_capture and attends_only(model)
+        self.packs_capture = packed_capture and attends_only(model) and keeps_samples_apart(model)
         self.pack_check_pending = self.packs_capture
         self.tokenizer = tokenizer
         self.backend = backend

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -45,10 +46,31 @@ class TargetShape:
 
 @dataclass
 class Heads:
-    """The target's frozen input embedding and LM head, shared by the drafter."""
+    """The target's frozen input embedding and LM head, shared by the drafter and used as the
+    reference drafter uses them: the embedding's table read directly (`embed_ids`; a module that
+    scales its output, as Gemma's does by sqrt(H), is not called) and the head with its bias
+    (`bias`, None when it has none), as `lm_head(h)` gives the target's own logits."""
 
     embed: nn.Embedding
     lm_head: nn.Linear
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return embed_table(self.embed, ids)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return head_bias(self.lm_head)
+
+
+def embed_table(embed: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's block input embeddings: rows of the target's table (the reference's
+    F.embedding(ids, weight)), whatever the embedding module's forward adds."""
+    return F.embedding(ids, embed.weight)
+
+
+def head_bias(lm_head: nn.Module) -> torch.Tensor | None:
+    b = getattr(lm_head, "bias", None)
+    return b.detach() if b is not None else None
 
 
 def default_layer_ids(num_target_layers: int, num_aux: int) -> list[int]:

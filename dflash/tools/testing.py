@@ -94,8 +94,8 @@ class OracleDrafter(torch.nn.Module):
     def context(self, aux):
         return self.base.context(aux)
 
-    def logits(self, h, lm_head_w):
-        return self.base.logits(h, lm_head_w)
+    def logits(self, h, lm_head_w, lm_head_b=None):
+        return self.base.logits(h, lm_head_w, lm_head_b)
 
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)

@@ -55,6 +55,8 @@ def make_batch(target: Target, samples: list, idx: list[int], cfg: RunConfig) ->
         pad_id=target.mask_token_id,
         pack_to=cfg.data.pack_to,
         pad_to=static_length(cfg),
+        # train.compile: packing fills a varying number of rows; padded to one count, one graph
+        pad_rows=cfg.train.micro_batch_size if cfg.train.compile else None,
     )
     return target_forward(target, batch, with_final_hidden=cfg.train.loss == "soft_kl")
 

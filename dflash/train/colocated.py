@@ -15,7 +15,14 @@ from ..data.stream import SampleStream
 from ..target.capture import Target
 from ..target.linear_attn import linear_attn_report, linear_attn_summary
 from .budget import phase_done, start_phases
-from .build import build_target, dataset_for_rank, make_batch, screen_batch
+from .build import (
+    build_target,
+    data_cache,
+    dataset_for_rank,
+    make_batch,
+    samples_digest,
+    screen_batch,
+)
 from .loop import train_loop
 from .resume import resume
 from .session import open_session
@@ -29,10 +36,17 @@ class LocalBatchSource:
     order). The stream position saved in checkpoints is what the trainer consumed."""
 
     def __init__(
-        self, target: Target, samples: list, cfg: RunConfig, dp_rank: int = 0, dp_world: int = 1
+        self,
+        target: Target,
+        samples: list,
+        cfg: RunConfig,
+        dp_rank: int = 0,
+        dp_world: int = 1,
+        origin: str = "",
     ):
+        """origin: where the samples are cached (named when a resume finds other samples)."""
         self.target, self.samples, self.cfg = target, samples, cfg
-        self.stream = SampleStream(len(samples), cfg.data.seed)
+        self.stream = SampleStream(len(samples), cfg.data.seed, samples_digest(samples), origin)
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.bad_samples: list[int] = []
         self.pending: list = []  # screen_batch checks not read back yet
@@ -150,7 +164,12 @@ def run_colocated(
     )
     phase_done("trainer and eval set")
     source = LocalBatchSource(
-        target, samples, cfg, ctx.rank if multi else 0, ctx.world if multi else 1
+        target,
+        samples,
+        cfg,
+        ctx.rank if multi else 0,
+        ctx.world if multi else 1,
+        origin=data_cache(cfg, run_dir),
     )
     resume(cfg, run_dir, trainer, source.stream, session.logger, ctx if multi else None)
     if writer:

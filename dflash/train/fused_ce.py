@@ -59,7 +59,7 @@ def _compiled_stats():
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_MH, w_VH, labels_M, weights_M, chunk: int, dtype, mult, cap):
+    def forward(ctx, h_MH, w_VH, b_V, labels_M, weights_M, chunk: int, dtype, mult, cap):
         stats = _compiled_stats() if h_MH.is_cuda else _ce_stats
         need_grad = ctx.needs_input_grad[0]
         single = h_MH.shape[0] == 1
@@ -70,9 +70,12 @@ class _FusedLinearCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=h_MH.device)
         correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
         w = w_VH.to(dtype)  # a no-op for a bf16 lm_head under bf16 compute
+        b = b_V.to(dtype) if b_V is not None else None
         with torch.autocast(h_MH.device.type, enabled=False):
             for i, j in chunk_bounds(h_MH.shape[0], chunk):
                 logits = h_MH[i:j].to(dtype) @ w.t()
+                if b is not None:
+                    logits = logits + b
                 l, c, g = stats(logits, labels_M[i:j], weights_M[i:j].float(), mult, cap)
                 loss += l
                 correct += c
@@ -87,7 +90,7 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None
 
 
 def fused_weighted_ce_sum(
@@ -100,15 +103,17 @@ def fused_weighted_ce_sum(
     dtype: torch.dtype | None = None,
     output_multiplier: float = 1.0,
     softcap: float | None = None,
+    lm_head_b_V: torch.Tensor | None = None,
 ):
     """(loss_sum, weighted_correct_sum) as loss.weighted_ce_sum with the drafter's
-    logit_transform (output_multiplier, final_logit_softcapping), the matmuls in `dtype`
-    (default: the lm_head's). The frozen lm_head gets no gradient."""
+    logit_transform (output_multiplier, final_logit_softcapping) and the head's bias, the
+    matmuls in `dtype` (default: the lm_head's). The frozen lm_head gets no gradient."""
     dtype = dtype or lm_head_w_VH.dtype
     cap = float(softcap) if softcap else None
     return _FusedLinearCE.apply(
         h_MH,
         lm_head_w_VH.detach(),
+        lm_head_b_V.detach() if lm_head_b_V is not None else None,
         labels_M,
         weights_M,
         chunk,

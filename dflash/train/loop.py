@@ -83,6 +83,7 @@ def train_loop(
     interrupted = None
     first = True  # this process's first step: kernels compile there (flex attention, compile)
     clock = StepClock(trainer.device)
+    health = Health(trainer.device, tc.lr)
     rank_dir = f"rank{torch.distributed.get_rank()}" if trainer.dp_world > 1 else ""
     prof_dir = os.path.join(run_dir, "profile", rank_dir)
     prof = StepProfiler(tc.profile_at, tc.profile_steps, trainer.device, prof_dir, logger)
@@ -102,6 +103,7 @@ def train_loop(
                 stop,
                 clock,
                 first,
+                health,
             )
             stopping = stop_at is not None and trainer.step >= stop_at
             prof.after(trainer.step, last=final or interrupted is not None or stopping)
@@ -128,6 +130,56 @@ def train_loop(
     if interrupted is not None:
         raise interrupted
     return last
+
+
+# steps in a row with a gradient norm of exactly 0 before the run warns that nothing is learned
+ZERO_GRAD_STEPS = 10
+
+
+class TrainingDiverged(ValueError):
+    """The loss or the gradient norm went NaN / inf: the run stops before it saves or evaluates."""
+
+
+class Health:
+    """NaN / inf in the loss or gradient norm, and steps without any gradient, tracked on the
+    device (no host sync a step) and read where the loop syncs anyway: at log, eval and save
+    steps. Every data-parallel rank sees the same all-reduced figures, so all stop together."""
+
+    def __init__(self, device: torch.device, lr: float):
+        # [first step with a non-finite loss or gradient norm (0: none), steps in a row whose
+        # gradient norm was exactly 0]
+        self.state = torch.zeros(2, device=device)
+        self.lr, self.warned = lr, False
+
+    def track(self, figures, step: int) -> None:
+        loss, grad_norm = figures.stats[0], figures.stats[-1]
+        first, zeros = self.state[0], self.state[1]
+        bad = ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        first = torch.where(bad & (first == 0), float(step), first)
+        zeros = torch.where(grad_norm == 0, zeros + 1, torch.zeros_like(zeros))
+        self.state = torch.stack([first, zeros])
+
+    def check(self, step: int) -> str | None:
+        """Raise TrainingDiverged naming the first non-finite step since the start; return a
+        warning line (once per stretch) after ZERO_GRAD_STEPS steps without any gradient."""
+        first, zeros = (int(x) for x in self.state.tolist())
+        if first:
+            raise TrainingDiverged(
+                f"step {first}: the loss or the gradient norm is NaN or inf; the run stops "
+                f"without saving or evaluating these weights (train.lr={self.lr:g}: lower it, or "
+                "check the data); checkpoints saved before are intact"
+            )
+        if zeros < ZERO_GRAD_STEPS:
+            self.warned = False
+            return None
+        if self.warned:
+            return None
+        self.warned = True
+        return (
+            f"warning: the gradient norm has been exactly 0 for the last {zeros} steps (to step "
+            f"{step}): the drafter is not learning (saturated logits after a too high "
+            f"train.lr={self.lr:g}?)"
+        )
 
 
 def _report_start(budget, logger: Logger) -> None:
@@ -190,7 +242,9 @@ class StepClock:
         return m1 - m0, m2 - m1
 
 
-def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, first):
+def _step(
+    cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, first, health
+):
     """One step: train; maybe log, eval, save. Returns (Interrupted when Ctrl-C asked to stop,
     whether this was the last step: train.steps reached or the time budget spent)."""
     tc = cfg.train
@@ -202,6 +256,7 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
     batches = source.next_batches()
     clock.mark()
     figures = trainer.step_async(batches)
+    health.track(figures, trainer.step)
     clock.mark()
     clock.busy_s += time.perf_counter() - t0
     step = trainer.step
@@ -241,6 +296,9 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
     periodic = step % tc.save_every == 0 or final
     evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or final)
     save = periodic or (interrupted and tc.save_on_interrupt)
+    if log or evaluate or save:  # NaN / inf stops the run here: never evaluated, never saved
+        if (warning := health.check(step)) is not None:
+            logger.info(warning)
     drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
     if evaluator is not None and evaluate:
         with _timed(budget, "eval"):
@@ -248,17 +306,24 @@ def _step(cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, s
         logger.log(ev, step)
         _log_reports(logger, evaluator, step)
         last.update(ev)
-    if writer and save:
+    shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
+    if save and (writer or shards is not None):
+        ended = "steps" if step == tc.steps else "budget" if out_of_time else None
         with _timed(budget, "save"):
-            last["checkpoint"] = save_checkpoint(
+            saved = save_checkpoint(
                 run_dir,
                 step,
                 drafter,
                 trainer.state_dict(),
                 tc.keep_last,
                 extra={"source": source.state_dict()},
+                shards=shards,
+                writer=writer,
+                run_info={"ended": ended, "time_budget_min": tc.time_budget_min} if ended else None,
             )
-            logger.log_checkpoint(last["checkpoint"], step)
+        if writer:
+            last["checkpoint"] = saved
+            logger.log_checkpoint(saved, step)
     if interrupted:
         saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
         return Interrupted(step, saved), final

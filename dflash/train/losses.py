@@ -29,15 +29,17 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
     return torch.exp(-(k - 1) / g)
 
 
-def head_logits(h_MH, w_VH, logit_transform=None):
-    """fp32 logits through the frozen head in the head's own dtype: the hidden chunk is cast,
-    never the [V, H] weight (a bf16 27B head is 2.5 GB; an fp32 copy per micro-batch is 5 GB)."""
-    logits = (h_MH.to(w_VH.dtype) @ w_VH.t()).float()
+def head_logits(h_MH, w_VH, logit_transform=None, b_V=None):
+    """fp32 logits through the frozen head (and its bias b_V, if any) in the head's own dtype:
+    the hidden chunk is cast, never the [V, H] weight (a bf16 27B head is 2.5 GB; an fp32 copy
+    per micro-batch is 5 GB)."""
+    logits = h_MH.to(w_VH.dtype) @ w_VH.t()
+    logits = (logits + b_V if b_V is not None else logits).float()
     return logit_transform(logits) if logit_transform is not None else logits
 
 
-def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None):
-    logits = head_logits(h_MH, w_VH, logit_transform)
+def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None, b_V=None):
+    logits = head_logits(h_MH, w_VH, logit_transform, b_V)
     ce = F.cross_entropy(logits, labels_M, reduction="none")
     correct = (logits.argmax(-1) == labels_M).float()
     return (ce * weights_M).sum(), (correct * weights_M).sum().detach()
@@ -51,10 +53,12 @@ def weighted_ce_sum(
     *,
     chunk: int = 4096,
     logit_transform=None,
+    lm_head_b_V: torch.Tensor | None = None,
 ):
     """Hard CE against the target's greedy tokens, weighted, summed. The [M, V] logits are built
     chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
-    logit_transform: the drafter's (output multiplier, softcapping) on fp32 logits.
+    logit_transform: the drafter's (output multiplier, softcapping) on fp32 logits;
+    lm_head_b_V: the head's bias (None: it has none).
     Returns (loss_sum, weighted_correct_sum). With M = 0 the sum is a zero that is still
     connected to h's graph, so backward (and a DDP all-reduce) runs like any other micro-batch."""
     loss = _graph_zero(h_MH)
@@ -66,6 +70,7 @@ def weighted_ce_sum(
             labels_M[i : i + chunk],
             weights_M[i : i + chunk],
             logit_transform,
+            lm_head_b_V,
         )
         if torch.is_grad_enabled() and h_MH.requires_grad:
             l, c = checkpoint(_ce_chunk, *args, use_reentrant=False)
@@ -88,6 +93,7 @@ def soft_kl_sum(
     *,
     chunk: int = 4096,
     logit_transform=None,
+    lm_head_b_V: torch.Tensor | None = None,
 ):
     """KL(target || drafter) weighted sum; only reachable with train.allow_soft_loss=true.
     Target logits come from the clean final hidden state through the same frozen lm_head
@@ -96,8 +102,8 @@ def soft_kl_sum(
     for i in range(0, h_MH.shape[0], chunk):
 
         def f(h, th, w):
-            lp = F.log_softmax(head_logits(h, lm_head_w_VH, logit_transform), -1)
-            tp = F.log_softmax(head_logits(th, lm_head_w_VH), -1)
+            lp = F.log_softmax(head_logits(h, lm_head_w_VH, logit_transform, lm_head_b_V), -1)
+            tp = F.log_softmax(head_logits(th, lm_head_w_VH, None, lm_head_b_V), -1)
             return (F.kl_div(lp, tp, log_target=True, reduction="none").sum(-1) * w).sum()
 
         args = (h_MH[i : i + chunk], target_h_MH[i : i + chunk], weights_M[i : i + chunk])

@@ -9,6 +9,11 @@ steps; the model file knows nothing of it.
 Every mode averages gradients over the data-parallel ranks, so the trainer's loss scaling
 (`sum * world / global weight sum`) gives the gradient of one big batch in all of them, and a
 step with gradient accumulation reduces once, after the last micro-batch.
+
+Checkpoints: ddp's optimizer state is whole on every rank and goes into train_state.pt; fsdp's
+and DeepSpeed's is split over the ranks, so every rank writes and reads its own part in the step
+directory's `optimizer/` (`save_shards` / `load_shards`: torch.distributed.checkpoint for fsdp,
+which also reshards for another rank count; DeepSpeed's own checkpoint for ZeRO).
 """
 
 from __future__ import annotations
@@ -26,10 +31,15 @@ from ..target.load import resolve_dtype
 DIST_MODES = ("ddp", "fsdp", "deepspeed")
 
 
+SHARDS_DIR = "optimizer"  # a step directory's per-rank optimizer state (fsdp, deepspeed)
+
+
 class Parallel:
     """One process, no wrapping. Subclasses override the named steps."""
 
     sharded = False  # weights are split over ranks: gather them to evaluate or save
+    # the optimizer state is split over ranks: every rank saves and loads its own part
+    shards_optimizer: str | None = None
 
     def __init__(self, drafter: DFlashDrafter, cfg: TrainConfig, device: torch.device, group):
         self.drafter, self.cfg, self.device, self.group = drafter, cfg, device, group
@@ -67,10 +77,21 @@ class Parallel:
         return {k: _full(v) for k, v in self.drafter.state_dict().items()}
 
     def optimizer_state(self) -> dict | None:
+        """The whole optimizer state for train_state.pt; None where every rank holds a part."""
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict | None) -> None:
         self.optimizer.load_state_dict(state)
+
+    def load_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Every weight, unsharded (the fp32 master copy of a checkpoint), into the model."""
+        self.drafter.load_state_dict(full)
+
+    def save_shards(self, path: str) -> None:
+        """This rank's part of the optimizer state under `path` (every rank calls it)."""
+
+    def load_shards(self, path: str) -> None:
+        """This rank's part of the optimizer state from `path` (every rank calls it)."""
 
 
 class DDP(Parallel):
@@ -106,8 +127,35 @@ class FSDP(Parallel):
         self.drafter.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
+    shards_optimizer = "fsdp"
+
     def optimizer_state(self) -> dict | None:
-        return None  # sharded per rank: resume is refused for this mode (see refuse_resume)
+        return None  # each rank's shard goes to the step directory (save_shards)
+
+    def load_weights(self, full):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # every rank holds the full copy: each keeps its own shard of it
+        set_model_state_dict(self.drafter, full, options=StateDictOptions(full_state_dict=True))
+
+    def save_shards(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        state = {"optimizer": get_optimizer_state_dict(self.drafter, self.optimizer)}
+        dcp.save(state, checkpoint_id=path, process_group=self.group)
+
+    def load_shards(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        # the layout to read into: this rank's shards of a (zero) state of the same structure
+        state = {"optimizer": get_optimizer_state_dict(self.drafter, self.optimizer)}
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        set_optimizer_state_dict(self.drafter, self.optimizer, state["optimizer"])
 
 
 class DeepSpeed(Parallel):
@@ -168,8 +216,23 @@ class DeepSpeed(Parallel):
         with deepspeed.zero.GatheredParameters(list(self.drafter.parameters())):
             return {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
 
+    shards_optimizer = "deepspeed"
+    TAG = "zero"  # DeepSpeed's checkpoint tag: its files go to <step dir>/optimizer/zero/
+
     def optimizer_state(self) -> dict | None:
-        return None  # partitioned per rank: resume is refused for this mode (see refuse_resume)
+        return None  # each rank's partition goes to the step directory (save_shards)
+
+    def load_weights(self, full):
+        """Nothing here: ZeRO keeps fp32 copies of the weights in its optimizer partitions, which
+        would overwrite the module's at the next step; `load_shards` restores both together."""
+
+    def save_shards(self, path: str) -> None:
+        self.engine.save_checkpoint(path, tag=self.TAG, client_state={}, save_latest=False)
+
+    def load_shards(self, path: str) -> None:
+        self.engine.load_checkpoint(
+            path, tag=self.TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
 
 
 def parallelize(
@@ -184,12 +247,27 @@ def parallelize(
     return {"ddp": DDP, "fsdp": FSDP, "deepspeed": DeepSpeed}[cfg.dist](drafter, cfg, device, group)
 
 
-def refuse_resume(cfg: TrainConfig) -> None:
-    if cfg.dist != "ddp":
+def check_saved_optimizer(par: Parallel, shards: str | None, whole, ranks: int) -> None:
+    """Refuse a checkpoint whose optimizer state this wrapping cannot read: saved whole (ddp)
+    vs per rank (fsdp, deepspeed), none at all, or ZeRO partitions of another rank count."""
+    world = dist.get_world_size(par.group) if par.group is not None else 1
+    if shards != par.shards_optimizer:
+        saved = f"{shards}'s per-rank files" if shards else "one file (ddp)"
         raise ValueError(
-            f"resume with train.dist={cfg.dist}: its optimizer state is sharded over the ranks "
-            "and checkpoints hold only the weights; resume with train.dist=ddp, or start from "
-            "the weights with drafter.init_from=<step dir>"
+            f"resume: the checkpoint holds the optimizer state as {saved}, this run "
+            f"(train.dist={par.cfg.dist}, {world} trainer rank(s)) needs "
+            f"{par.shards_optimizer or 'ddp'}'s; resume with the train.dist the run saved "
+            "with, or start from the weights with drafter.init_from=<step dir>"
+        )
+    if shards is None and whole is None:
+        raise ValueError(
+            "resume: the checkpoint holds no optimizer state (a sharded run of an older dflash); "
+            "start from its weights with drafter.init_from=<step dir>"
+        )
+    if shards == "deepspeed" and ranks != world:  # DeepSpeed reads back its own partitioning
+        raise ValueError(
+            f"resume: the checkpoint's ZeRO optimizer state is partitioned over {ranks} ranks, "
+            f"this run has {world}; resume it on {ranks} ranks"
         )
 
 

@@ -14,13 +14,23 @@ import shutil
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..common.comm import RankContext
-from ..common.layout import STATE_FILE, find_checkpoint, is_off, keep_metrics_until, newest_run_of
+from ..common.layout import (
+    STATE_FILE,
+    find_checkpoint,
+    is_off,
+    keep_metrics_until,
+    newest_run_of,
+    note_layout_change,
+)
+from ..common.manifest import verify_manifest, write_manifest
 from ..config import RunConfig
 from ..data.stream import SampleStream
-from ..drafter.checkpoint import load_drafter, save_drafter
-from ..drafter.model import DFlashDrafter
+from ..drafter.checkpoint import check_finite, load_drafter, read_drafter_config, save_drafter
+from ..drafter.model import DFlashDrafter, DrafterSpec
+from .parallelize import SHARDS_DIR
 
 
 def _rng_state() -> dict:
@@ -53,33 +63,61 @@ def save_checkpoint(
     train_state: dict,
     keep_last: int = 2,
     extra: dict | None = None,
+    *,
+    shards=None,
+    writer: bool = True,
+    run_info: dict | None = None,
 ) -> str:
+    """Write checkpoints/step_N: serving files, train_state.pt, manifest.json (last); refused
+    when a weight is NaN or inf, so a diverged run never replaces a good checkpoint.
+
+    shards: the trainer's `Parallel` when each rank holds part of the optimizer state: then every
+    trainer rank calls this (a collective), each writes its part to `optimizer/`, and the writer
+    (the group's first rank) writes the rest and renames the directory into place.
+    run_info: how the run stands (`ended`: the run finished at this step), kept in the manifest."""
+    weights = drafter.state_dict()
+    check_finite(weights, f"not saving step {step}: the drafter")  # every rank: same weights
     root = os.path.join(run_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
     name = f"step_{step:08d}"
     final = os.path.join(root, name)
-    tmp = os.path.join(root, f".{name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save_drafter(
-            tmp, drafter
-        )  # bf16 serving weights; fp32 master weights go with the resume state
-        master = {
-            k: v.detach().to("cpu", torch.float32).clone() for k, v in drafter.state_dict().items()
-        }
-        torch.save(
-            {
-                "trainer": train_state,
-                "rng": _rng_state(),
-                "step": step,
-                "drafter_fp32": master,
-                **(extra or {}),
-            },
-            os.path.join(tmp, STATE_FILE),
-        )
-    except BaseException:  # an interrupted save leaves nothing behind but the previous checkpoint
+    tmp = _agreed(os.path.join(root, f".{name}.tmp{os.getpid()}"), shards)
+    if writer:
+        os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    try:
+        if shards is not None:
+            _barrier(shards)
+            shards.save_shards(os.path.join(tmp, SHARDS_DIR))
+            _barrier(shards)
+        if writer:
+            # bf16 serving weights; fp32 master weights go with the resume state
+            save_drafter(tmp, drafter, manifest=False)
+            master = {k: v.detach().to("cpu", torch.float32).clone() for k, v in weights.items()}
+            torch.save(
+                {
+                    "trainer": train_state,
+                    "rng": _rng_state(),
+                    "step": step,
+                    "drafter_fp32": master,
+                    **(extra or {}),
+                },
+                os.path.join(tmp, STATE_FILE),
+            )
+            write_manifest(tmp, {"step": step, **(run_info or {})})
+    except BaseException:  # an interrupted save leaves nothing behind but the previous checkpoint
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if writer:
+        _put_in_place(root, name, tmp, keep_last)
+    if shards is not None:
+        _barrier(shards)  # the step directory is in place before any rank goes on
+    return final
+
+
+def _put_in_place(root: str, name: str, tmp: str, keep_last: int) -> None:
+    final = os.path.join(root, name)
     if os.path.exists(final):  # move the old one aside first: `final` is never half-written
         old = os.path.join(root, f".{name}.old{os.getpid()}")
         os.replace(final, old)
@@ -94,17 +132,38 @@ def save_checkpoint(
     steps = sorted(d for d in os.listdir(root) if d.startswith("step_"))
     for old in steps[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    return final
 
 
-def load_checkpoint(path: str, drafter: DFlashDrafter) -> dict:
+def _agreed(tmp: str, shards) -> str:
+    """The writer's temporary directory name, on every rank that writes into it."""
+    if shards is None or shards.group is None:
+        return tmp
+    box = [tmp]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(shards.group, 0), group=shards.group)
+    return box[0]
+
+
+def _barrier(shards) -> None:
+    if shards.group is not None:
+        dist.barrier(group=shards.group)
+
+
+def load_checkpoint(path: str, drafter: DFlashDrafter | None = None, verify: bool = True) -> dict:
+    """The train state of a step directory (or of a run's newest), on the CPU whatever device
+    saved it, its files checked against manifest.json (verify) and its fp32 master weights
+    (`state["weights"]`) for NaN / inf. With `drafter`: its config must be the checkpoint's, and
+    the weights are loaded into it."""
     ck = find_checkpoint(path)
-    loaded, report = load_drafter(ck)
-    if loaded.spec.as_dict() != drafter.spec.as_dict():
+    if verify:
+        verify_manifest(ck)
+    spec = DrafterSpec.from_hf_config(read_drafter_config(ck))
+    if drafter is not None and spec.as_dict() != drafter.spec.as_dict():
         raise ValueError(f"resume: drafter config in {ck} differs from this run's drafter config")
     state_file = os.path.join(ck, STATE_FILE)
     try:
-        state = torch.load(state_file, weights_only=False)
+        # map_location: every rank reads to the host (not onto the saving rank's GPU); the
+        # optimizer moves its state to its parameters' device when it loads it
+        state = torch.load(state_file, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated zip, pickle garbage, ...: torch raises many types
         raise ValueError(
             f"{state_file} is not a readable train state ({type(e).__name__}); the checkpoint "
@@ -112,9 +171,11 @@ def load_checkpoint(path: str, drafter: DFlashDrafter) -> dict:
         ) from None
     if not isinstance(state, dict) or "trainer" not in state:
         raise ValueError(f"{state_file} holds no train state; resume from another step_* directory")
-    drafter.load_state_dict(state.get("drafter_fp32") or loaded.state_dict())
-    _set_rng_state(state["rng"])
-    state["path"] = ck
+    weights = state.get("drafter_fp32") or load_drafter(ck, verify=False)[0].state_dict()
+    check_finite(weights, state_file)
+    if drafter is not None:
+        drafter.load_state_dict(weights)
+    state["weights"], state["path"] = weights, ck
     return state
 
 
@@ -133,14 +194,45 @@ def resume_path(cfg: RunConfig, run_dir: str) -> str | None:
     return str(r)
 
 
-def resume_from(ckpt: str, trainer, stream: SampleStream, logger) -> None:
-    """Weights (fp32 master), optimizer, scheduler, step, RNG and the stream position."""
-    state = load_checkpoint(ckpt, trainer.drafter)
+def resume_from(ckpt: str, trainer, stream: SampleStream, logger, verify: bool = True) -> dict:
+    """Optimizer (its whole state, in ddp), scheduler, step, RNG and the stream position; the
+    weights follow in `_load_weights` (a collective of the trainers in sharded modes). Returns
+    the checkpoint's state."""
+    state = load_checkpoint(ckpt, verify=verify)
     trainer.load_state_dict(state["trainer"])
     stream.load_state_dict(state["source"]["stream"])
+    _set_rng_state(state["rng"])
     logger.info(
         f"resumed from {state['path']} at step {trainer.step} (sample position {stream.position})"
     )
+    return state
+
+
+def _load_weights(trainer, state: dict) -> None:
+    """The fp32 master weights, and in sharded modes each rank's part of the optimizer state:
+    every trainer rank at once (fsdp and DeepSpeed load them as collectives)."""
+    trainer.par.load_weights(state["weights"])
+    if trainer.par.shards_optimizer:
+        trainer.par.load_shards(os.path.join(state["path"], SHARDS_DIR))
+
+
+def layout_changes(old: dict | None, now: dict) -> dict:
+    """{key: (then, now)} of the step layout keys that differ (none known for old checkpoints)."""
+    return {k: (old[k], v) for k, v in now.items() if old and k in old and old[k] != v}
+
+
+def _say_layout_change(changes: dict, step: int, run_dir: str, logger) -> None:
+    """A resume that cuts the sample stream into steps differently no longer reproduces the
+    uninterrupted run: one line, and the change kept in run_config.json."""
+    then = {k: a for k, (a, _) in changes.items()}
+    now = {k: b for k, (_, b) in changes.items()}
+    what = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changes.items())
+    logger.info(
+        f"resume: the step layout changed at step {step} ({what}); from here on the run is not "
+        "the uninterrupted one (another cut of the samples into steps); recorded in "
+        "run_config.json (layout_changes)"
+    )
+    note_layout_change(run_dir, {"step": step, "from": then, "to": now})
 
 
 def resume(
@@ -152,26 +244,32 @@ def resume(
     ctx: RankContext | None = None,
     src: int = 0,
 ) -> dict:
-    """Rank `src` (the first trainer) resolves and loads the checkpoint, then announces
-    {ckpt, step, position} to every rank of the job: the other trainers load the same one, split
-    workers start producing at exactly that stream position. Returns the announcement."""
-    start = None
+    """Rank `src` (the first trainer) resolves and loads the checkpoint (checking its files
+    against the manifest), then announces {ckpt, step, position} to every rank of the job: the
+    other trainers load the same one, split workers start producing at exactly that stream
+    position. In sharded modes every trainer then reads its part of the optimizer state.
+    Returns the announcement."""
+    start = state = None
     if ctx is None or ctx.rank == src:
         ckpt = resume_path(cfg, run_dir)
         ckpt = find_checkpoint(ckpt) if ckpt else None  # a run dir -> its latest step
         if ckpt:
-            resume_from(ckpt, trainer, stream, logger)
+            state = resume_from(ckpt, trainer, stream, logger)
             # the run continues in its own metrics.jsonl: rows past the checkpoint are redone
-            keep_metrics_until(run_dir, trainer.step)
+            for line in keep_metrics_until(run_dir, trainer.step):
+                logger.info(f"metrics.jsonl: line {line} is damaged (not JSON); dropped it")
+            if changes := layout_changes(state["trainer"].get("layout"), trainer.layout()):
+                _say_layout_change(changes, trainer.step, run_dir, logger)
         start = {"ckpt": ckpt, "step": trainer.step, "position": stream.position}
-    if ctx is None or ctx.world == 1:
-        return start
-    start = ctx.broadcast_object(start, src=src)
-    if ctx.rank != src and start["ckpt"]:
-        resume_from(start["ckpt"], trainer, stream, logger)
-        if (trainer.step, stream.position) != (start["step"], start["position"]):
-            raise ValueError(
-                f"trainer rank {ctx.rank} resumed at step {trainer.step}, position "
-                f"{stream.position}; trainer rank {src} at {start}"
-            )
+    if ctx is not None and ctx.world > 1:
+        start = ctx.broadcast_object(start, src=src)
+        if ctx.rank != src and start["ckpt"]:
+            state = resume_from(start["ckpt"], trainer, stream, logger, verify=False)
+            if (trainer.step, stream.position) != (start["step"], start["position"]):
+                raise ValueError(
+                    f"trainer rank {ctx.rank} resumed at step {trainer.step}, position "
+                    f"{stream.position}; trainer rank {src} at {start}"
+                )
+    if state is not None:
+        _load_weights(trainer, state)
     return start

@@ -35,7 +35,7 @@ from ..target.shape import Heads
 from .budget import TimeBudget, budget_lr
 from .fused_ce import fused_weighted_ce_sum
 from .losses import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
-from .parallelize import parallelize, refuse_resume
+from .parallelize import check_saved_optimizer, parallelize
 
 
 @dataclass
@@ -213,7 +213,7 @@ class DrafterTrainer:
         N, A = blocks.anchors_NA.shape
         B = self.spec.block_size
         with torch.no_grad():
-            emb = self.heads.embed(blocks.block_ids_NQ)
+            emb = self.heads.embed_ids(blocks.block_ids_NQ)
         with self.autocast():
             h = model(
                 emb.to(self.dtype),
@@ -224,37 +224,22 @@ class DrafterTrainer:
             )
             h_M = h.reshape(N * A * B, -1).index_select(0, p.hidden_index_M)
             # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
-            w_lm = self.heads.lm_head.weight
-            transform = self.drafter.logit_transform
+            w_lm, chunk, b_lm = self.heads.lm_head.weight, self.cfg.lm_head_chunk, self.heads.bias
             if self.cfg.loss == "hard_ce" and self.device.type == "cuda":
+                spec = self.spec
                 return fused_weighted_ce_sum(
-                    h_M,
-                    w_lm,
-                    labels,
-                    weights,
-                    chunk=self.cfg.lm_head_chunk,
+                    *(h_M, w_lm, labels, weights),
+                    chunk=chunk,
                     dtype=self.dtype,
-                    output_multiplier=self.spec.output_multiplier,
-                    softcap=self.spec.final_logit_softcapping,
+                    output_multiplier=spec.output_multiplier,
+                    softcap=spec.final_logit_softcapping,
+                    lm_head_b_V=b_lm,
                 )
+            head = dict(chunk=chunk, logit_transform=self.drafter.logit_transform, lm_head_b_V=b_lm)
             if self.cfg.loss == "hard_ce":
-                return weighted_ce_sum(
-                    h_M,
-                    w_lm,
-                    labels,
-                    weights,
-                    chunk=self.cfg.lm_head_chunk,
-                    logit_transform=transform,
-                )
+                return weighted_ce_sum(h_M, w_lm, labels, weights, **head)
             th = self._target_hidden_at_labels(tb, blocks, p)
-            return soft_kl_sum(
-                h_M,
-                w_lm,
-                th,
-                weights,
-                chunk=self.cfg.lm_head_chunk,
-                logit_transform=transform,
-            ), h_M.new_zeros(())
+            return soft_kl_sum(h_M, w_lm, th, weights, **head), h_M.new_zeros(())
 
     def _target_hidden_at_labels(self, tb, blocks, prepared: Prepared):
         if tb.final_hidden_NTH is None:
@@ -366,18 +351,32 @@ class DrafterTrainer:
         copy.load_state_dict(full)
         return copy
 
+    def layout(self) -> dict:
+        """How a step cuts the sample stream: a resume with another layout says so."""
+        return {
+            "train.micro_batch_size": self.cfg.micro_batch_size,
+            "train.grad_accum": self.cfg.grad_accum,
+            "trainer ranks": self.dp_world,
+        }
+
     def state_dict(self) -> dict:
         return {
             "optimizer": self.par.optimizer_state(),
+            # fsdp / deepspeed: each rank's part of the optimizer state is in the step dir
+            "optimizer_shards": self.par.shards_optimizer,
             "scheduler": self.sched.state_dict(),
             "step": self.step,
+            "layout": self.layout(),
             **({"budget": self.budget.state_dict()} if self.budget is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["optimizer"] is None:
-            refuse_resume(self.cfg)
-        self.par.load_optimizer_state(state["optimizer"])
+        """The trainer's part of a checkpoint; the weights (and the optimizer's per-rank parts in
+        sharded modes) are loaded through `self.par` by dflash.train.resume."""
+        ranks = (state.get("layout") or {}).get("trainer ranks", self.dp_world)
+        check_saved_optimizer(self.par, state.get("optimizer_shards"), state["optimizer"], ranks)
+        if self.par.shards_optimizer is None:
+            self.par.load_optimizer_state(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         if self.budget is not None and "budget" in state:

@@ -87,6 +87,19 @@ def read_head_weights(path: str, tied: bool) -> tuple[torch.Tensor, torch.Tensor
     return emb, (get(lk) if lk else emb), (ek, lk or ek)
 
 
+def read_head_bias(path: str) -> torch.Tensor | None:
+    """The lm_head's bias, for the rare target whose head has one (the drafter's logits are
+    lm_head(h), bias included, as the target's)."""
+    from safetensors import safe_open
+
+    for fn in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(fn, framework="pt") as f:
+            for k in f.keys():
+                if k.endswith("lm_head.bias"):
+                    return f.get_tensor(k)
+    return None
+
+
 def load_heads_only(cfg: RunConfig, device: torch.device) -> HeadsOnlyTarget:
     """Trainer-side target: from target.path only config, tokenizer, embedding and lm_head are
     read. A random target (target.config) has no files, so it is built (same seed, same device
@@ -120,8 +133,11 @@ def load_heads_only(cfg: RunConfig, device: torch.device) -> HeadsOnlyTarget:
     emb_w, lm_w, names = read_head_weights(path, tied)
     dtype = resolve_dtype(cfg.target.dtype, device)
     embed = nn.Embedding.from_pretrained(emb_w.to(device, dtype), freeze=True)
-    lm_head = nn.Linear(lm_w.shape[1], lm_w.shape[0], bias=False, device="meta")
+    lm_b = read_head_bias(path)
+    lm_head = nn.Linear(lm_w.shape[1], lm_w.shape[0], bias=lm_b is not None, device="meta")
     lm_head.weight = nn.Parameter(lm_w.to(device, dtype), requires_grad=False)
+    if lm_b is not None:
+        lm_head.bias = nn.Parameter(lm_b.to(device, dtype), requires_grad=False)
     tok = AutoTokenizer.from_pretrained(path)
     n = int(text.num_hidden_layers)
     ids = cfg.drafter.target_layer_ids

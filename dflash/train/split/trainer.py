@@ -9,6 +9,7 @@ from ...common.comm import RankContext
 from ...common.layout import write_run_config
 from ...config import RunConfig
 from ...data.stream import SampleStream
+from ..build import data_cache
 from ..loop import train_loop
 from ..resume import resume
 from ..session import open_session
@@ -35,7 +36,9 @@ def run_trainer(
     ]
     session = open_session(cfg, run_dir, target.shape, writer=writer, describe=describe)
     trainer, evaluator = session.start(target, ctx.device, dp_group=dp_group, ctrl_group=ctrl_group)
-    stream = SampleStream(info["num_samples"], cfg.data.seed)
+    stream = SampleStream(
+        info["num_samples"], cfg.data.seed, info["digest"], data_cache(cfg, run_dir)
+    )
     # trainer 0 announces (checkpoint, step, stream position) to every rank, workers included
     start = resume(cfg, run_dir, trainer, stream, session.logger, ctx, src=roles.trainer_rank(0))
     if writer:
