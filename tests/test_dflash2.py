@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT, get_target
@@ -475,3 +476,143 @@ def test_offline_tau_equals_real_chain_decoding():
     walk = walk_chain(draft, item.completion_ids)
     real = generate_chain(target, d, prompt, 48)
     assert real.tokens == ar.tokens and walk.accepted == real.accepted
+
+
+def test_sampled_decoding_at_t0_is_chain_decoding():
+    from dflash.decoding import Sampling, sample_chain
+
+    target = get_target("tiny_llama")
+    d = _dflash2(target)
+    prompt = list(range(7, 20))
+    ch = generate_chain(target, d, prompt, 30)
+    sc = sample_chain(target, d, prompt, 30, Sampling(0.0, top_p=0.5, seed=3))
+    assert sc.tokens == ch.tokens and sc.accepted == ch.accepted and sc.drafts == ch.drafts
+
+
+def test_sampled_path_is_drawn_from_its_q_rows():
+    """At T > 0 the path's token k is a draw from q_k = softmax(scores / T) over position k's
+    candidates given the token drawn before it (the rows rejection sampling divides by): q_k
+    equals the teacher-forced proposal at the drawn prefix, and the first position's draws
+    follow q_1 (total variation within a bound a correct sampler exceeds w.p. <= 1e-5)."""
+    from collections import Counter
+
+    from dflash.decoding import Sampling
+
+    target = get_target("tiny_llama")
+    d = _dflash2(target, selector_top_k=4)
+    ds = DrafterState(target, d)
+    aux, _ = _aux_and_greedy(target, list(range(3, 25)))
+    ds.append(aux[:20])
+    with torch.no_grad():
+        s = Sampling(1.5)
+        h = ds.draft_hidden(20, 9)[None]
+        logits = d.logits(h, target.lm_head.weight)
+        gen = torch.Generator().manual_seed(0)
+        firsts = Counter()
+        n = 1500
+        for _ in range(n):
+            path, q = d.propose(h, logits, torch.tensor([9]), s, gen)
+            prev = torch.cat([torch.tensor([[9]]), path[:, :-1]], 1)
+            assert torch.allclose(q, d.proposal(h, logits, prev, s), atol=1e-6)
+            assert (q.gather(-1, path[..., None]) > 0).all() and torch.allclose(
+                q.sum(-1), torch.ones(1)
+            )
+            firsts[int(path[0, 0])] += 1
+        q1 = {i: float(p) for i, p in enumerate(q[0, 0]) if p > 0}
+        tv = 0.5 * sum(abs(q1.get(k, 0) - firsts.get(k, 0) / n) for k in set(q1) | set(firsts))
+        bound = 0.5 * sum((p * (1 - p) / n) ** 0.5 for p in q1.values()) + (11.5 / (2 * n)) ** 0.5
+    assert len(q1) == 4 and tv < bound, (tv, bound)
+
+
+def test_eval_tau_t_follows_the_selector(tiny_qwen):
+    """tau_t{T} of a DFlash2 drafter: 1 + mean over the greedy walk's rounds of
+    sum_k prod_{i<=k} sum_x min(p_i, q_i), q_i the selector's softmax(scores / T) on position i's
+    top-K candidates with the completion's token before it, computed here by hand."""
+    from dflash.decoding.rejection import overlap, warp
+    from dflash.eval.metrics import walk_chain
+    from dflash.eval.offline import draft_all_anchors, evaluate
+    from dflash.eval.sets import consistent_greedy
+    from dflash.target.shape import Heads
+
+    d = _dflash2(tiny_qwen, selector_top_k=6)
+    heads = Heads(tiny_qwen.embed_tokens, tiny_qwen.lm_head)
+    prompt = list(range(40, 48))
+    comp = generate_ar(tiny_qwen, prompt, 14).tokens
+    item = consistent_greedy(tiny_qwen, prompt, comp)
+    _, summary = evaluate(d, heads, [item], [], temperatures=[0.0, 0.8])
+    assert summary["tau_t0"] == summary["tau"]
+    draft, _, _ = draft_all_anchors(d, heads, item, top_k=0)
+    walk = walk_chain(draft, item.completion_ids)
+    P, c = len(prompt), item.completion_ids
+    ids = torch.cat([item.prompt_ids, c])
+    sel = d.candidate_selector
+    with torch.no_grad():
+        p_logits = tiny_qwen.model(ids[None]).logits[0].float()
+        total = 0.0
+        for s, avail in zip(walk.anchors, walk.available):
+            ds = DrafterState(tiny_qwen, d)
+            ds.append(item.aux_TF[: P + s])
+            h = ds.draft_hidden(P + s, int(c[s]))
+            logits = d.logits(h, heads.lm_head.weight)
+            survive = 1.0
+            for k in range(1, avail + 1):
+                unary, cand = logits[k - 1].topk(6)
+                gate = sel.predecessor_codebook[int(c[s + k - 1])] * (
+                    sel.hidden_projection.weight @ h[k - 1]
+                )
+                scores = unary + sel.successor_codebook[cand] @ gate
+                q = torch.zeros_like(logits[k - 1]).scatter(0, cand, (scores / 0.8).softmax(0))
+                survive *= float(overlap(warp(p_logits[P + s + k - 1], 0.8), q))
+                total += survive
+    ref = 1 + total / len(walk.anchors)
+    assert summary["tau_t0.8"] == pytest.approx(ref, rel=1e-4)
+
+
+def _train(tmp_path, name, *over):
+    r = subprocess.run(
+        [sys.executable, "train.py", f"out_root={tmp_path}", f"run_name={name}", "logger=none"]
+        + list(over),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return [x for x in map(json.loads, open(tmp_path / name / "metrics.jsonl")) if "eval/tau" in x]
+
+
+@pytest.mark.slow
+def test_default_job_learns_dflash2_and_its_offline_tau_is_chain_decoding(tmp_path):
+    """`python train.py drafter.variant=dflash2` (the default 200 steps on the tiny target): tau
+    rises from 1 at least as much as the DFlash default does; eval.py's offline tau on the final
+    checkpoint is what real chain decoding accepts, prompt by prompt."""
+    dflash = _train(tmp_path, "d1")
+    dflash2 = _train(tmp_path, "d2", "drafter.variant=dflash2")
+    assert dflash2[0]["step"] == 0 and dflash2[0]["eval/tau"] < 1.2
+    assert dflash2[-1]["step"] == 200 and dflash2[-1]["eval/tau"] >= dflash[-1]["eval/tau"], (
+        dflash2[-1]["eval/tau"],
+        dflash[-1]["eval/tau"],
+    )
+    out = tmp_path / "rep.json"
+    ck = tmp_path / "d2" / "checkpoints" / "step_00000200"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "eval.py",
+            f"ckpt={ck}",
+            f"out={out}",
+            f"eval_dir={tmp_path}/ev",
+            "logger=none",
+            "eval.real_decode_prompts=8",
+            "eval.decode_tree_budgets=[4]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.load(open(out))["summary"]
+    assert s["tau"] == pytest.approx(dflash2[-1]["eval/tau"], abs=1e-9)  # in-loop == eval.py
+    assert s["decode_identical_chain"] == 8 and s["tau"] > 2
+    assert s["decode_tau_chain"] == pytest.approx(s["decode_offline_tau_chain"], abs=1e-12)
