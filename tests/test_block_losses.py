@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import make_drafter
-from test_training import _samples
+from test_training import _master, _run_cfg, _samples
 
 from dflash.config import TrainConfig
 from dflash.data.batch import collate, target_forward
@@ -237,17 +237,32 @@ def test_grad_accumulation_equals_one_big_batch(tiny_qwen, variant, loss):
     assert all(g_big[k].abs().sum() > 0 for k in g_big if "candidate_selector" in k)
 
 
+def _modes():
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        return [("ddp", 1), ("fsdp", 1)]
+    return [("ddp", 1), ("fsdp", 1), ("deepspeed", 3)]
+
+
 def _dp_rank(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
     for variant, loss in CASES:
-        for mode in ("ddp", "fsdp"):
-            out[(variant, loss, mode)] = _train_dp(
-                rank, world, dist.group.WORLD, variant, loss, mode
+        for mode, stage in _modes():
+            out[(variant, loss, f"{mode}{stage}")] = _train_dp(
+                rank, world, dist.group.WORLD, variant, loss, mode, stage
             )
     if rank == 0:
         torch.save(out, os.path.join(out_dir, "w.pt"))
@@ -255,7 +270,7 @@ def _dp_rank(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _train_dp(rank, world, group, variant, loss, mode):
+def _train_dp(rank, world, group, variant, loss, mode, stage=1):
     from conftest import get_target
     from test_parallelize import _micro
 
@@ -269,6 +284,7 @@ def _train_dp(rank, world, group, variant, loss, mode):
         micro_batch_size=4 // world,
         loss=loss,
         dist=mode,
+        zero_stage=stage,
     )
     heads = Heads(target.embed_tokens, target.lm_head)
     tr = DrafterTrainer(d, heads, cfg, torch.device("cpu"), dp_group=group)
@@ -279,14 +295,15 @@ def _train_dp(rank, world, group, variant, loss, mode):
 
 @pytest.mark.slow
 def test_data_parallel_equals_one_process(tmp_path):
-    """2 ranks (DDP, FSDP) over gloo train each new loss and DFlash2 to the weights one process
-    reaches on the whole batch."""
+    """2 ranks (DDP, FSDP, and DeepSpeed ZeRO-3 where installed: the selector runs in the loss,
+    outside the drafter's forward) over gloo train each new loss and DFlash2 to the weights one
+    process reaches on the whole batch."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_dp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "w.pt")
-    assert len(got) == 2 * len(CASES)
+    assert len(got) == len(_modes()) * len(CASES)
     for (variant, loss, mode), weights in got.items():
         ref = _train_dp(0, 1, None, variant, loss, "ddp")
         # Adam steps ~lr * sign(g): summation order can flip entries whose gradient is ~0, so
@@ -294,3 +311,32 @@ def test_data_parallel_equals_one_process(tmp_path):
         for k, v in ref.items():
             bad = ((weights[k] - v).abs() > 2e-5 + 1e-4 * v.abs()).float().mean().item()
             assert bad < 1e-3, (variant, loss, mode, k, bad)
+
+
+@pytest.mark.parametrize("loss", ["variable_prefix", "dpace"])
+def test_dflash2_resume_equals_uninterrupted(tmp_path, loss):
+    """Save -> resume -> continue equals the uninterrupted run for DFlash2 with the new losses
+    (the visible prefixes are drawn per step and row, so a resumed step draws the same ones)."""
+    import dataclasses
+
+    from dflash.train.colocated import run_colocated
+
+    def cfg(resume=None):
+        c = _run_cfg(tmp_path, 6, resume=resume, loss=loss)
+        d = dataclasses.replace(c.drafter, variant="dflash2", selector_rank=8, selector_top_k=4)
+        return dataclasses.replace(c, drafter=d)
+
+    run_colocated(cfg(), str(tmp_path / "full"))
+    run_colocated(cfg(), str(tmp_path / "part"), stop_at=4)
+    out = run_colocated(
+        cfg(str(tmp_path / "part" / "checkpoints" / "step_00000004")), str(tmp_path / "cont")
+    )
+    a = _master(tmp_path / "full" / "checkpoints" / "step_00000006")
+    b = _master(out["checkpoint"])
+    assert any(k.startswith("candidate_selector.") for k in a)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=1e-7), (k, (a[k] - b[k]).abs().max())
+    c = _master(tmp_path / "part" / "checkpoints" / "step_00000004")
+    assert not torch.allclose(
+        c["candidate_selector.successor_codebook"], a["candidate_selector.successor_codebook"]
+    )

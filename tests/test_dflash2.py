@@ -616,3 +616,42 @@ def test_default_job_learns_dflash2_and_its_offline_tau_is_chain_decoding(tmp_pa
     assert s["tau"] == pytest.approx(dflash2[-1]["eval/tau"], abs=1e-9)  # in-loop == eval.py
     assert s["decode_identical_chain"] == 8 and s["tau"] > 2
     assert s["decode_tau_chain"] == pytest.approx(s["decode_offline_tau_chain"], abs=1e-12)
+
+
+def test_the_variant_names_are_one_list():
+    from dflash.config.model import DRAFTER_VARIANTS
+    from dflash.drafter.variants import VARIANTS
+
+    assert tuple(VARIANTS) == DRAFTER_VARIANTS
+
+
+@pytest.mark.parametrize(
+    "group,over,match",
+    [
+        ("drafter", dict(variant="dflash3"), r"drafter.variant='dflash3' is not allowed"),
+        ("drafter", dict(selector_top_k=0), "drafter.selector_top_k must be >= 1"),
+        ("spec", dict(variant="dflash2", conv_group_size=48), "conv_group_size=48"),
+        ("run", dict(loss="variable_prefix", prefix_min=8), "train.prefix_min=8"),
+        ("train", dict(loss="dpace", label_sampling="by_weight"), "label_sampling=by_weight"),
+        ("train", dict(dpace_alpha=1.5), "train.dpace_alpha"),
+        ("trainer", dict(loss="soft_kl", allow_soft_loss=True), "soft_kl with drafter.variant"),
+    ],
+)
+def test_bad_family_settings_are_refused_by_name(group, over, match):
+    from dflash.config import RunConfig, TrainConfig
+    from dflash.target.shape import Heads
+    from dflash.train.step import DrafterTrainer
+
+    target = get_target("tiny_llama")
+    with pytest.raises(ValueError, match=match) as e:
+        if group == "drafter":
+            DrafterConfig(**over).validate()
+        elif group == "spec":
+            resolve_spec(DrafterConfig(**over), target.shape)
+        elif group in ("run", "train"):
+            RunConfig(drafter=DrafterConfig(block_size=8), train=TrainConfig(**over)).validate()
+        else:
+            heads = Heads(target.embed_tokens, target.lm_head)
+            d = _dflash2(target)
+            DrafterTrainer(d, heads, TrainConfig(**over), torch.device("cpu"))
+    assert "\n" not in str(e.value)
