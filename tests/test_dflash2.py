@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, get_target
+from conftest import ROOT, get_target, target_cfg
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
@@ -648,8 +648,11 @@ def test_bad_family_settings_are_refused_by_name(group, over, match):
             DrafterConfig(**over).validate()
         elif group == "spec":
             resolve_spec(DrafterConfig(**over), target.shape)
-        elif group in ("run", "train"):
-            RunConfig(drafter=DrafterConfig(block_size=8), train=TrainConfig(**over)).validate()
+        elif group == "train":
+            TrainConfig(**over).validate()
+        elif group == "run":
+            tc, dc = target_cfg("tiny_llama"), DrafterConfig(block_size=8)
+            RunConfig(target=tc, drafter=dc, train=TrainConfig(**over)).validate()
         else:
             heads = Heads(target.embed_tokens, target.lm_head)
             d = _dflash2(target)
