@@ -49,10 +49,12 @@ def make_drafter(
     window=64,
     seed=0,
     std=0.05,
+    **over,
 ):
+    """A small drafter on `target`; `over`: other drafter.* keys (variant="dflash2", ...)."""
     from dflash.config import DrafterConfig
-    from dflash.drafter.model import DFlashDrafter
     from dflash.drafter.spec import resolve_spec
+    from dflash.drafter.variants import build_model
 
     dcfg = DrafterConfig(
         num_layers=len(layer_types),
@@ -64,9 +66,10 @@ def make_drafter(
         num_key_value_heads=2,
         head_dim=16,
         intermediate_size=64,
+        **over,
     )
     spec = resolve_spec(dcfg, target.shape)
-    d = DFlashDrafter(spec)
+    d = build_model(spec)
     d.init_weights(std, torch.Generator().manual_seed(seed))
     return d
 

@@ -5,7 +5,8 @@ Each case writes a checkpoint carrying the field (config.json + model.safetensor
 `dflash.drafter.checkpoint.load_drafter`, and compares our logits -- through the training/eval block
 machinery and through decoding's cached-context drafting -- with `_eager`, an independent
 per-anchor implementation written here from the fields' definitions (raw tensors, no dflash
-modules). Refusals: DFlash2 and unknown architectures never run as a plain drafter.
+modules). Refusals: unknown architectures, a DFlash2 config without its fields, and DFlash2
+fields under `DFlashDraftModel` never run as something else.
 """
 
 import json

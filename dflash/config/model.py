@@ -10,6 +10,8 @@ from .checks import check_choice
 LINEAR_ATTN_BACKENDS = ("auto", "fla", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Drafter variants, the names of dflash.drafter.variants.VARIANTS (a test keeps the two equal).
+DRAFTER_VARIANTS = ("dflash", "dflash2")
 
 
 @dataclass
@@ -68,6 +70,9 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
+    # dflash (z-lab DFlashDraftModel) | dflash2 (DFlash2DraftModel: grouped dynamic causal
+    # convolutions around attention and MLP, and a top-k candidate selector that picks the path)
+    variant: str = "dflash"
     num_layers: int = 1  # decoder layers
     # Per-layer attention type; None = all full_attention. Full layers are bidirectional inside
     # the block, sliding layers causal inside the block with `sliding_window`.
@@ -103,8 +108,17 @@ class DrafterConfig:
     # Drafter layer i starts as a copy of target layer ids[i] (negative: from the end; same widths)
     init_layers_from_target: list[int] | None = None
     init_from: str | None = None  # start from a drafter checkpoint directory (serving format)
+    # drafter.variant=dflash2 only (config.json dflash_config fields of the same names):
+    conv_kernel_size: int = 2  # taps of each in-block causal convolution (self + predecessors)
+    conv_group_size: int = 16  # channels sharing one dynamic tap (must divide the hidden size)
+    selector_rank: int = 256  # width of the selector's token codebooks and hidden projection
+    selector_top_k: int = 16  # candidates per block position the selector chooses among
 
     def validate(self) -> None:
+        check_choice("drafter.variant", self.variant, DRAFTER_VARIANTS)
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"drafter.{key} must be >= 1, got {getattr(self, key)}")
         if self.block_size < 2:
             raise ValueError(
                 f"drafter.block_size must be >= 2 (the anchor plus at least one drafted "

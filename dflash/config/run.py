@@ -84,9 +84,15 @@ class RunConfig:
     topology: TopologyConfig = field(default_factory=TopologyConfig)
 
     def validate(self) -> RunConfig:
-        """Each group checks itself (no rule spans groups today)."""
+        """Each group checks itself; then the rules that span groups."""
         for name in GROUPS:
             getattr(self, name).validate()
+        t, B = self.train, self.drafter.block_size
+        if t.loss == "variable_prefix" and t.prefix_min > B - 1:
+            raise ValueError(
+                f"train.prefix_min={t.prefix_min} leaves no drafted position to learn in a block "
+                f"of drafter.block_size={B}; use a value in 1..{B - 1}"
+            )
         return self
 
 

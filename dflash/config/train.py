@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from .checks import check_choice, check_positive
 from .model import DTYPES
 
-LOSSES = ("hard_ce", "soft_kl")
+LOSSES = ("hard_ce", "soft_kl", "variable_prefix", "dpace")
 
 
 @dataclass
@@ -24,9 +24,19 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     clip_grad: float = 1.0  # max grad norm
-    loss: str = "hard_ce"  # hard_ce | soft_kl
+    # hard_ce | soft_kl | variable_prefix (D2SD: a visible prefix of real tokens per block, loss
+    # on the rest) | dpace (D-PACE: per-position weights from the expected accepted length)
+    # (dflash.train.objective)
+    loss: str = "hard_ce"
     allow_soft_loss: bool = False  # soft KL must be chosen explicitly (see validate)
     gamma: float | None = None  # None: 7 for B=16, 5 for B=10, 4 for B=8
+    # train.loss=variable_prefix: P(prefix length l) ~ prefix_base^l over prefix_min..B-1
+    prefix_base: float = 0.9
+    # shortest visible prefix (1 = the anchor alone, how the reference decodes; NeMo uses 2)
+    prefix_min: int = 1
+    dpace_alpha: float = 0.5  # train.loss=dpace: confidence smoothing q' = (1-alpha) q + alpha
+    # drafter.variant=dflash2: weight of the selector's loss beside the block CE
+    selector_loss_weight: float = 1.0
     # all | by_weight: keep position k's label with probability w_k / w_1, weighted 1 / p (the
     # same expected loss and gradient from ~45% of the lm_head rows at B=16, gamma 7)
     label_sampling: str = "all"
@@ -63,6 +73,24 @@ class TrainConfig:
                 "acceptance); to train it anyway, also set train.allow_soft_loss=true (logged)"
             )
         check_positive("train.gamma", self.gamma, " (position weights exp(-(k-1)/gamma))")
+        check_positive("train.prefix_base", self.prefix_base, " (prior P(l) ~ prefix_base^l)")
+        if self.prefix_min < 1:
+            raise ValueError(
+                f"train.prefix_min must be >= 1 (the anchor is always visible), got "
+                f"{self.prefix_min}"
+            )
+        if not 0.0 <= self.dpace_alpha <= 1.0:
+            raise ValueError(f"train.dpace_alpha must be in [0, 1], got {self.dpace_alpha}")
+        if self.selector_loss_weight < 0:
+            raise ValueError(
+                f"train.selector_loss_weight must be >= 0, got {self.selector_loss_weight}"
+            )
+        if self.label_sampling == "by_weight" and self.loss in ("variable_prefix", "dpace"):
+            raise ValueError(
+                f"train.label_sampling=by_weight keeps labels by the fixed decay weights; "
+                f"train.loss={self.loss} weighs positions its own way (per block): use "
+                "train.label_sampling=all"
+            )
         check_positive("train.time_budget_min", self.time_budget_min, " minutes")
         if len(self.betas) != 2:
             raise ValueError(f"train.betas must have two values, got {list(self.betas)}")

@@ -13,7 +13,8 @@ Three decoders over the same HF target, all returning a `DecodeResult`:
   Each round the drafter gets the block [bonus, MASK x (B-1)] at positions start..start+B-1 and
   a context of the aux features of all positions < start, kept as per-layer K/V
   (`DFlashDrafter.context_kv`) that only grows by the accepted positions. The drafted tokens
-  (argmax at block positions 1..B-1) are verified in ONE target forward on its cache; accepted =
+  (the drafter's rule at block positions 1..B-1: DFlash each position's argmax, DFlash2 its
+  selector's path) are verified in ONE target forward on its cache; accepted =
   leading matches of the draft with the target's argmax, the next bonus is the target's argmax
   at the first miss (or after the last draft), and the target cache is rolled back to the
   accepted length.

@@ -109,7 +109,8 @@ def generate_chain(
     """Chain speculative decoding; output identical to greedy.
 
     rollback: how the target cache returns to the accepted length (default `ExactRollback`).
-    draft_fn(drafter_state, start, bonus) -> logits [D, V]: override for tests.
+    draft_fn(drafter_state, start, bonus) -> logits [D, V]: override for tests (drafts their
+    argmax); by default the drafter's own rule drafts (`DrafterState.draft`).
     """
     rollback = rollback if rollback is not None else ExactRollback()
     model, dev = target.model, target.device
@@ -128,10 +129,12 @@ def generate_chain(
     sync(dev)
     res = DecodeResult("chain", [], prefill_s=time.perf_counter() - t0)
     start = P
-    draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         bonus = out[-1]
-        draft = draft_fn(ds, start, bonus).argmax(-1).to(dev)  # [D]
+        if draft_fn is None:  # the drafter's own rule (DFlash2: the selector's path)
+            draft = ds.draft(start, bonus)[0].to(dev)  # [D]
+        else:
+            draft = draft_fn(ds, start, bonus).argmax(-1).to(dev)
         block = torch.cat([torch.tensor([bonus], device=dev), draft])[None]
         snap = rollback.before_verify(cache)
         greedy, aux = run(block, arange_row(start, B, dev), cache)

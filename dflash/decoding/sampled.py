@@ -3,7 +3,8 @@ baseline and chain speculative decoding with rejection sampling on the drafted b
 
 Target and drafter logits go through the same `dflash.decoding.rejection.warp`. Each round the D draft
 tokens are sampled from the drafter's warped q_1..q_D (all D from one drafter pass, as DFlash
-drafts), the block [bonus, drafts] is verified in one target forward giving p_0..p_D, and
+drafts; a DFlash2 drafter samples its selector's path, q_i being the row each step was drawn
+from), the block [bonus, drafts] is verified in one target forward giving p_0..p_D, and
 `rejection_sample_block` accepts a leading run of drafts and emits the next token (resampled
 from max(p - q, 0) at the first rejection, else the bonus from p_D). Every emitted token is then
 distributed as plain sampling from the target would give it. One `torch.Generator` seeded by
@@ -106,8 +107,10 @@ def sample_chain(
 ) -> DecodeResult:
     """Chain speculative decoding with rejection sampling; output distributed as `sample_ar`.
 
-    draft_fn(drafter_state, start, bonus) -> logits [D, V], or (logits, tokens [D]) for a
-    drafter that draws its own tokens (tests: a sequential oracle whose q is the target's p)."""
+    By default the drafter's own rule drafts (`DrafterState.draft`: DFlash samples each
+    position's warped q; DFlash2 samples the selector's path, q = its rows). draft_fn(drafter_state,
+    start, bonus) -> logits [D, V], or (logits, tokens [D]) for a drafter that draws its own
+    tokens (tests: a sequential oracle whose q is the target's p)."""
     rollback = rollback if rollback is not None else ExactRollback()
     model, dev = target.model, target.device
     gen = sampling.generator(dev)
@@ -126,11 +129,12 @@ def sample_chain(
     sync(dev)
     res = DecodeResult(f"chain_{sampling.tag}", [], prefill_s=time.perf_counter() - t0)
     start = P
-    draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         bonus = out[-1]
-        drafted = draft_fn(ds, start, bonus)
-        if isinstance(drafted, tuple):
+        if draft_fn is None:  # the drafter's own rule and its proposal q
+            draft, q = ds.draft(start, bonus, sampling, gen)
+            draft, q = draft.to(dev), q.to(dev)
+        elif isinstance(drafted := draft_fn(ds, start, bonus), tuple):
             q, draft = sampling.probs(drafted[0].to(dev)), drafted[1].to(dev)
         else:
             q = sampling.probs(drafted.to(dev))  # [D, V]

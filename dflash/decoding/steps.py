@@ -165,8 +165,9 @@ class DrafterState:
         return out
 
     @torch.no_grad()
-    def draft_logits(self, start: int, bonus: int) -> torch.Tensor:
-        """float32 logits [D, V] of block positions 1..B-1 for the block anchored at `start`."""
+    def draft_hidden(self, start: int, bonus: int) -> torch.Tensor:
+        """The drafter's final hidden states [D, H] of block positions 1..B-1 for the block
+        anchored at `start` (on the lm_head's device)."""
         if self.T != start:
             raise AssertionError(
                 f"drafter context holds {self.T} positions, block anchored at {start}"
@@ -177,11 +178,27 @@ class DrafterState:
         )
         ids[0, 0] = bonus
         emb = embed_table(self.target.embed_tokens, ids).to(dev, self.dtype)
-        h = self.drafter(emb, arange_row(start, B, dev), self.masks(start), ctx_kv=self.ctx_kv)[
-            0, 1:
-        ]
-        W = self.target.lm_head.weight
-        return self.drafter.logits(h.to(W.device), W, head_bias(self.target.lm_head))
+        h = self.drafter(emb, arange_row(start, B, dev), self.masks(start), ctx_kv=self.ctx_kv)
+        return h[0, 1:].to(self.target.lm_head.weight.device)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.drafter.logits(h, self.target.lm_head.weight, head_bias(self.target.lm_head))
+
+    @torch.no_grad()
+    def draft_logits(self, start: int, bonus: int) -> torch.Tensor:
+        """float32 logits [D, V] of block positions 1..B-1 for the block anchored at `start`."""
+        return self._logits(self.draft_hidden(start, bonus))
+
+    @torch.no_grad()
+    def draft(self, start: int, bonus: int, sampling=None, generator=None):
+        """The drafted tokens [D] of the block anchored at `start` by the drafter's own rule
+        (`propose`: DFlash each position's argmax, DFlash2 the selector's path) and, when
+        sampling, the proposal q [D, V] they were drawn from."""
+        h = self.draft_hidden(start, bonus)
+        logits = self._logits(h)
+        anchor = torch.tensor([bonus], device=h.device)
+        tokens, q = self.drafter.propose(h[None], logits[None], anchor, sampling, generator)
+        return tokens[0], None if q is None else q[0]
 
 
 def leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:

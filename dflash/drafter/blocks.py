@@ -71,6 +71,42 @@ def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape, max_an
     return out
 
 
+def sample_prefix_lengths(
+    seeds_N: list[int], shape, max_anchors: int, block_size: int, base: float, shortest: int
+) -> torch.Tensor:
+    """Visible prefix length l [N, A] per block (`train.loss=variable_prefix`): block positions
+    0..l-1 hold real tokens, from a truncated geometric prior P(l) ~ base^l over
+    shortest..B-1; per row from its own seed, drawn for `max_anchors` anchors (a row's draw does
+    not depend on the batch's padded anchor count)."""
+    N, A = shape
+    lengths = torch.arange(shortest, block_size, dtype=torch.float64)
+    prior = base**lengths
+    out = torch.empty(shape, dtype=torch.long)
+    for n in range(N):
+        g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
+        idx = torch.multinomial(prior, max(A, max_anchors), replacement=True, generator=g)
+        out[n] = shortest + idx[:A]
+    return out
+
+
+def show_prefix(
+    block_ids_NQ, input_ids_NT, segment_ids_NT, anchors_NA, prefix_NA, block_size, mask_token_id
+):
+    """Block ids with positions 1..l-1 holding the row's real tokens at anchor+k (the mask token
+    where anchor+k leaves the anchor's sample); position 0 is the anchor as always."""
+    N, T = input_ids_NT.shape
+    k_B = torch.arange(block_size, device=anchors_NA.device)
+    pos = anchors_NA[:, :, None] + k_B  # [N, A, B]
+    pos_c = pos.clamp(max=T - 1).view(N, -1)
+    same = segment_ids_NT.gather(1, pos_c).view(pos.shape) == segment_ids_NT.gather(
+        1, anchors_NA
+    ).unsqueeze(-1)
+    seen = (k_B < prefix_NA[..., None]) & (pos < T) & same
+    real = input_ids_NT.gather(1, pos_c).view(pos.shape)
+    blk = block_ids_NQ.view(pos.shape)
+    return torch.where(seen, real, blk.new_full((), mask_token_id)).where(k_B > 0, blk).view(N, -1)
+
+
 def pad_anchors(rows: list, device, min_count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     A = max(min_count, max((r.numel() for r in rows), default=1))
     anchors = torch.zeros(len(rows), A, dtype=torch.long)

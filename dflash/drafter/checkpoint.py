@@ -1,7 +1,7 @@
 """The serving-format drafter directory (config.json + model.safetensors with exactly the
 drafter's weights, reference names, and a manifest.json of their sha256), read and written;
-published z-lab drafters (no manifest) load too. Loading checks the files against the manifest
-and the weights for NaN / inf."""
+published z-lab drafters (DFlash and DFlash2, dflash.drafter.variants; no manifest) load too.
+Loading checks the files against the manifest and the weights for NaN / inf."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.manifest import verify_manifest, write_manifest
-from .model import DFlashDrafter, DrafterSpec
+from .model import DFlashDrafter
+from .spec import DrafterSpec
+from .variants import build_model
 
 # Serving weights are written in this dtype; the in-loop eval rounds to it (dflash.eval.offline).
 EXPORT_DTYPE = torch.bfloat16
@@ -78,7 +80,7 @@ def load_drafter(
         try:
             with safe_open(fn, framework="pt", device="cpu") as f:
                 for k in f.keys():
-                    tensors[k.removeprefix("model.")] = f.get_tensor(k)
+                    tensors[_own_name(k)] = f.get_tensor(k)
         except Exception as e:  # safetensors raises several types for corrupt files
             raise ValueError(
                 f"{fn} is not a readable safetensors file ({type(e).__name__}: {e})"
@@ -91,7 +93,7 @@ def load_drafter(
                 f"{path}: fc input {fc.shape[1]} = {k} target layers but "
                 f"dflash_config.target_layer_ids has {spec.num_aux}"
             )
-    drafter = DFlashDrafter(spec)
+    drafter = build_model(spec)
     own = drafter.state_dict()
     loaded = [k for k in tensors if k in own]
     unexpected = sorted(k for k in tensors if k not in own)
@@ -116,3 +118,13 @@ def load_drafter(
         "fc_input": int(fc.shape[1]) if fc is not None else None,
     }
     return drafter.to(device), report
+
+
+def _own_name(key: str) -> str:
+    """A stored weight's name in our modules: without a leading `model.`, and the selector's
+    codebooks without `.weight` (how a transformers save of the reference's nn.Embedding names
+    them; the published files and our exports store `candidate_selector.*_codebook`)."""
+    key = key.removeprefix("model.")
+    if key.startswith("candidate_selector.") and key.endswith("_codebook.weight"):
+        return key.removesuffix(".weight")
+    return key

@@ -6,6 +6,8 @@ F = K*H aux features, h heads, d head dim.
 Context (aux states of positions strictly before each anchor) goes through fc -> hidden_norm and
 only feeds K/V of every layer; it never enters the residual stream. Q comes from the block.
 The drafter has no embedding and no LM head: it uses the target's, frozen, plus its own norm.
+Its drafting rule (`propose`) takes the argmax of each position (or samples each position's
+warped distribution); a variant (dflash.drafter.variants) subclasses it and overrides what differs.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from transformers.activations import ACT2FN
 from .attention import flex_attention, is_block_mask
 from .fuse import fused
 from .rope import Rotary, apply_rope
-from .spec import DrafterSpec
 
-__all__ = ["DFlashDrafter", "DrafterSpec", "Rotary", "num_params"]
+__all__ = ["DFlashDrafter", "Rotary", "num_params"]
 
 
 @fused
@@ -47,7 +48,7 @@ class RMSNorm(nn.Module):
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, spec: DrafterSpec):
+    def __init__(self, spec):  # spec: a dflash.drafter.spec.DrafterSpec, here and below
         super().__init__()
         H, h, kv, d = (
             spec.hidden_size,
@@ -94,7 +95,7 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashMLP(nn.Module):
-    def __init__(self, spec: DrafterSpec):
+    def __init__(self, spec):
         super().__init__()
         self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
         self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
@@ -108,7 +109,7 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, spec: DrafterSpec, layer_type: str):
+    def __init__(self, spec, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
         self.self_attn = DFlashAttention(spec)
@@ -124,17 +125,27 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Weights named exactly as the serving format (fc, hidden_norm, layers.i..., norm)."""
 
-    def __init__(self, spec: DrafterSpec):
+    layer_cls = DFlashLayer  # a variant's layers (dflash.drafter.dflash2)
+
+    def __init__(self, spec):
         super().__init__()
         self.spec = spec
         self.fc = nn.Linear(spec.num_aux * spec.hidden_size, spec.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(spec, t) for t in spec.layer_types)
+        self.layers = nn.ModuleList(self.layer_cls(spec, t) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = Rotary(spec)
 
+    @staticmethod
+    def check_spec(spec) -> None:
+        """What a variant needs of the spec beyond DFlash's (dflash.drafter.variants)."""
+
     def init_weights(self, std: float, generator: torch.Generator | None = None) -> None:
-        for name, p in self.named_parameters():
+        self._init_params(list(self.named_parameters()), std, generator)
+
+    @staticmethod
+    def _init_params(named: list, std: float, generator: torch.Generator | None) -> None:
+        for name, p in named:
             if name.endswith("norm.weight"):
                 nn.init.ones_(p)
             else:
@@ -197,6 +208,24 @@ class DFlashDrafter(nn.Module):
         if lm_head_b_V is not None:
             logits = logits + lm_head_b_V
         return self.logit_transform(logits.float())
+
+    def propose(self, h_nDH, logits_nDV, anchor_n, sampling=None, generator=None):
+        """The drafting rule of one block per row: tokens [n, D] for block positions 1..B-1
+        and, when sampling, the proposal q [n, D, V] they were drawn from (what rejection
+        sampling divides by). sampling: None (greedy: each position's argmax) or an object with
+        `.temperature` and `.probs(logits)` (dflash.decoding.sampled.Sampling). DFlash drafts
+        every position independently: h_nDH and anchor_n are not needed."""
+        if sampling is None:
+            return logits_nDV.argmax(-1), None
+        q = sampling.probs(logits_nDV)
+        flat = torch.multinomial(q.reshape(-1, q.shape[-1]), 1, generator=generator)
+        return flat.view(q.shape[:-1]), q
+
+    def proposal(self, h_nDH, logits_nDV, prev_nD, sampling):
+        """q [n, D, V] of each position when the tokens before it are prev_nD (prev_nD[:, k] is
+        the token at block position k, the anchor first): the offline evaluation's
+        distributions along a known continuation. DFlash's do not depend on prev."""
+        return sampling.probs(logits_nDV)
 
 
 def num_params(module: nn.Module) -> int:

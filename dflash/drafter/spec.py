@@ -3,8 +3,10 @@
 `DrafterSpec.from_hf_config` reads every field the current z-lab reference (`DFlashDraftModel`,
 2026) reads, with the reference's precedence: DFlash knobs come from `dflash_config` first, then
 the top level; everything Qwen3 (rope, sliding window, layer types) is interpreted as
-transformers' `Qwen3Config` interprets it. What we cannot run as the reference does (DFlash2,
-other architectures, partial rotary) is refused, never run as something else.
+transformers' `Qwen3Config` interprets it. The architecture names the variant
+(dflash.drafter.variants: DFlashDraftModel, DFlash2DraftModel) and its own dflash_config fields;
+what we cannot run as the reference does (other architectures, a variant's fields under another
+architecture, partial rotary) is refused, never run as something else.
 
 `attention_rule` is THE per-layer attention rule: block masks (dflash.drafter.blocks), decoding and any
 fused attention kernel derive their visibility from it.
@@ -13,15 +15,12 @@ fused attention kernel derive their visibility from it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from ..config import DrafterConfig
 from ..target.shape import TargetShape, check_layer_ids, default_layer_ids
 from .rope import Rotary
-
-ARCHITECTURE = "DFlashDraftModel"
-# DFlash2 adds grouped dynamic convolutions around attention/MLP and a candidate selector.
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+from .variants import from_config_json, variant
 
 
 @dataclass
@@ -55,6 +54,9 @@ class DrafterSpec:
     final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
     attention_bias: bool = False
     hidden_act: str = "silu"
+    variant: str = "dflash"  # dflash.drafter.variants: the model class and its architecture name
+    # the variant's own dflash_config fields (DFlash2: conv_kernel_size, ..., selector_top_k)
+    variant_config: dict = field(default_factory=dict)
 
     @property
     def num_aux(self) -> int:
@@ -75,8 +77,9 @@ class DrafterSpec:
         }
         if self.final_logit_softcapping is not None:
             dc["final_logit_softcapping"] = self.final_logit_softcapping
+        dc.update(self.variant_config)
         cfg = {
-            "architectures": [ARCHITECTURE],
+            "architectures": [variant(self.variant).architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -111,7 +114,7 @@ class DrafterSpec:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> DrafterSpec:
         """Read a serving-format config.json; layer ids always come from the checkpoint."""
-        refuse_unsupported(cfg)
+        var = from_config_json(cfg)
         dc = cfg.get("dflash_config") or {}
 
         def knob(name, default=None):  # the reference's precedence: dflash_config, then top level
@@ -170,6 +173,8 @@ class DrafterSpec:
             else None,
             attention_bias=bool(cfg.get("attention_bias", False)),
             hidden_act=str(cfg.get("hidden_act", "silu")),
+            variant=var.name,
+            variant_config={f: knob(f) for f in var.fields},
         )
         spec.check()
         return spec
@@ -199,25 +204,10 @@ class DrafterSpec:
                 f"num_hidden_layers={self.num_hidden_layers}"
             )
         Rotary(self)  # builds the frequencies: refuses what it cannot run
+        variant(self.variant).model.check_spec(self)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def refuse_unsupported(cfg: dict) -> None:
-    """DFlash2 or any other architecture: a one-line error, never a plain drafter run."""
-    dc = cfg.get("dflash_config") or {}
-    archs = list(cfg.get("architectures") or [])
-    extra = [k for k in DFLASH2_FIELDS if k in dc or k in cfg]
-    if "DFlash2DraftModel" in archs or extra:
-        raise ValueError(
-            f"config.json: DFlash2DraftModel (architectures={archs}, fields {extra}) is not "
-            "implemented (grouped dynamic convolutions + candidate selector); refusing to run it "
-            "as a plain DFlashDraftModel"
-        )
-    other = [a for a in archs if a != ARCHITECTURE]
-    if other:
-        raise ValueError(f"config.json architectures={archs}: only {ARCHITECTURE} is implemented")
 
 
 def _rope_from_config(cfg: dict, heads: int, head_dim: int) -> tuple[float, dict | None]:
@@ -318,6 +308,8 @@ def resolve_spec(dcfg: DrafterConfig, shape: TargetShape) -> DrafterSpec:
         final_logit_softcapping=dcfg.final_logit_softcapping,
         attention_bias=dcfg.attention_bias,
         hidden_act=dcfg.hidden_act,
+        variant=dcfg.variant,
+        variant_config={f: getattr(dcfg, f) for f in variant(dcfg.variant).fields},
     )
     spec.check()
     return spec

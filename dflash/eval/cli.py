@@ -9,6 +9,7 @@ import os
 from ..common.layout import run_dir_of
 from ..config import DataConfig, EvalConfig, RunConfig, TargetConfig
 from ..drafter.checkpoint import load_drafter
+from ..drafter.variants import variant
 from ..target.load import load_target
 from ..target.shape import Heads
 from .decode import decode_report
@@ -72,6 +73,8 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     drafter, report = load_drafter(rc.ckpt, strict=False)
     spec = drafter.spec
     fc_in = report["fc_input"]
+    extra = ", ".join(f"{k}={v}" for k, v in spec.variant_config.items())
+    print(f"Drafter: {variant(spec.variant).architecture}" + (f" ({extra})" if extra else ""))
     print(
         f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
         f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)"
@@ -134,6 +137,7 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         meta = {
             "ckpt": os.path.abspath(rc.ckpt),
             "target": rc.target.name,
+            "architecture": variant(spec.variant).architecture,
             "block_size": spec.block_size,
             "target_layer_ids": spec.target_layer_ids,
             "eval": dataclasses.asdict(rc.eval),

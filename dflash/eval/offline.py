@@ -2,8 +2,10 @@
 
 Per eval prompt we cache the target's greedy completion and the aux states along it. The
 drafter then runs once with every completion position as an anchor, through the same block
-machinery as training (dflash.drafter.blocks), and dflash.eval.metrics walks the rounds exactly as a serving
-engine would at temperature 0.
+machinery as training (dflash.drafter.blocks), drafts each block by its own rule (`propose`:
+DFlash each position's argmax, DFlash2 the selector's path from the anchor token, which depends
+only on the committed prefix as the block does) and dflash.eval.metrics walks the rounds exactly
+as a serving engine would at temperature 0. DDTree is built from the drafter's logits either way.
 
 Legend: P prompt length, L completion length, T = P + L, D = B - 1 drafted positions, K top-k.
 """
@@ -14,7 +16,8 @@ import contextlib
 
 import torch
 
-from ..decoding.rejection import expected_accepted, overlap, warp
+from ..decoding.rejection import expected_accepted, overlap
+from ..decoding.sampled import Sampling
 from ..drafter.blocks import build_blocks, mask_rules
 from ..drafter.model import DFlashDrafter
 from .metrics import evaluate_prompt, summarize
@@ -35,7 +38,8 @@ def draft_all_anchors(
     sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
     the acceptance probability sum_x min(p, q) ([..., 0]) and the probability min(p(g), q(g))
     of accepting the greedy token g ([..., 1]), p from the cached target states along the
-    completion (dflash.decoding.rejection; 0 where no completion token is left)."""
+    completion and q the drafter's proposal when the tokens before the position are the
+    completion's (`proposal`; dflash.decoding.rejection; 0 where no completion token is left)."""
     spec = drafter.spec
     dev = heads.lm_head.weight.device
     P, L = item.prompt_ids.numel(), item.completion_ids.numel()
@@ -64,9 +68,10 @@ def draft_all_anchors(
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
         logits = drafter.logits(h, heads.lm_head.weight, heads.bias)
         logp = torch.log_softmax(logits, -1)
-        drafts.append(logits.argmax(-1).cpu())
+        draft = drafter.propose(h, logits, ids[0, anchors[0]])[0]
+        drafts.append(draft.cpu())
         if sampling is not None:
-            alphas.append(_chunk_overlaps(logits, item, s, heads, *sampling))
+            alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
         if top_k > 0:
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
@@ -76,20 +81,29 @@ def draft_all_anchors(
     return out + (torch.cat(alphas),) if sampling is not None else out
 
 
-def _chunk_overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p, top_k):
-    """[n, D, t] acceptance probabilities for anchors s0..s0+n-1 (completion indices), a few
+def _chunk_overlaps(drafter, heads, h_nDH, q_logits_nDV, draft_nD, item: EvalItem, s0, *sampling):
+    """[n, D, t, 2] acceptance probabilities for anchors s0..s0+n-1 (completion indices), a few
     anchors at a time: each warp holds several [rows, D, V] fp32 copies (sort for top-p)."""
     n = q_logits_nDV.shape[0]
     step = 8
     return torch.cat(
         [
-            _overlaps(q_logits_nDV[i : i + step], item, s0 + i, heads, temperatures, top_p, top_k)
+            _overlaps(
+                drafter,
+                heads,
+                h_nDH[i : i + step],
+                q_logits_nDV[i : i + step],
+                draft_nD[i : i + step],
+                item,
+                s0 + i,
+                *sampling,
+            )
             for i in range(0, n, step)
         ]
     )
 
 
-def _overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p, top_k):
+def _overlaps(drafter, heads, h_nDH, q_logits_nDV, draft_nD, item, s0, temperatures, top_p, top_k):
     n, D, _ = q_logits_nDV.shape
     L = item.completion_ids.numel()
     rows_nD = s0 + torch.arange(n)[:, None] + torch.arange(1, D + 1)[None]  # completion index
@@ -99,8 +113,8 @@ def _overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p,
     greedy_nD = item.completion_ids[rows_nD]
     p_logits = None
     for j, temp in enumerate(temperatures):
-        if temp <= 0:  # greedy: accepted iff the draft is the cached greedy token
-            hit = q_logits_nDV.argmax(-1).cpu() == greedy_nD
+        if temp <= 0:  # greedy: accepted iff the drafter's own draft is the cached greedy token
+            hit = draft_nD.cpu() == greedy_nD
             out[..., j, :] = (hit & ok_nD).float()[..., None]
             continue
         if item.final_LH is None:
@@ -110,9 +124,12 @@ def _overlaps(q_logits_nDV, item: EvalItem, s0: int, heads, temperatures, top_p,
             )
         if p_logits is None:  # the target's own logits: lm_head(h), its bias included
             W, b = heads.lm_head.weight, heads.bias
-            h = item.final_LH[rows_nD.flatten()].to(W.device, W.dtype)
-            p_logits = (h @ W.t() + (b if b is not None else 0)).float().view(n, D, -1)
-        p, q = warp(p_logits, temp, top_p, top_k), warp(q_logits_nDV, temp, top_p, top_k)
+            th = item.final_LH[rows_nD.flatten()].to(W.device, W.dtype)
+            p_logits = (th @ W.t() + (b if b is not None else 0)).float().view(n, D, -1)
+            # the token before each position along the completion (the anchor's own first)
+            prev_nD = item.completion_ids[rows_nD - 1].to(q_logits_nDV.device)
+        s = Sampling(temp, top_p, top_k)
+        p, q = s.probs(p_logits), drafter.proposal(h_nDH, q_logits_nDV, prev_nD, s)
         g = greedy_nD.to(p.device)[..., None]
         out[..., j, 0] = overlap(p, q).cpu() * ok_nD
         out[..., j, 1] = torch.minimum(p.gather(-1, g), q.gather(-1, g))[..., 0].cpu() * ok_nD

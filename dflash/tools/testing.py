@@ -47,7 +47,7 @@ class OracleDrafter(torch.nn.Module):
     0..D+4 (zero, partial and full-block acceptances), then a mix; "full": every position a hit; "none":
     the base drafter unchanged. Positions past the end of `truth` are untouched.
     Exposes the `DFlashDrafter` interface used by decoding and evaluation (spec, context,
-    context_kv, forward), so offline evaluation and real decoding see the same drafter.
+    context_kv, forward, the drafting rule), so offline evaluation and real decoding see the same drafter.
     """
 
     HIT, SECOND, MISS = 0, 1, 2
@@ -96,6 +96,12 @@ class OracleDrafter(torch.nn.Module):
 
     def logits(self, h, lm_head_w, lm_head_b=None):
         return self.base.logits(h, lm_head_w, lm_head_b)
+
+    def propose(self, *args, **kw):
+        return self.base.propose(*args, **kw)
+
+    def proposal(self, *args, **kw):
+        return self.base.proposal(*args, **kw)
 
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)

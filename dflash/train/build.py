@@ -17,6 +17,7 @@ from ..data.dataset import load_or_build_dataset
 from ..drafter.checkpoint import load_drafter
 from ..drafter.model import DFlashDrafter
 from ..drafter.spec import resolve_spec
+from ..drafter.variants import build_model
 from ..target.capture import Target
 from ..target.load import load_target
 from ..target.shape import TargetShape
@@ -42,7 +43,7 @@ def build_drafter(cfg: RunConfig, shape: TargetShape) -> DFlashDrafter:
                 f"drafter.init_from={cfg.drafter.init_from}: its config differs from drafter.*"
             )
         return drafter
-    drafter = DFlashDrafter(spec)
+    drafter = build_model(spec)  # drafter.variant's class
     drafter.init_weights(cfg.drafter.init_std, torch.Generator().manual_seed(cfg.train.seed))
     return drafter
 

@@ -2,7 +2,8 @@
 
 The caller divides by the GLOBAL weight sum (over micro-batches and data-parallel ranks), so
 gradient accumulation and data parallelism give the gradient of one big batch.
-Legend: M labelled positions, H hidden, V vocab, B block size.
+Legend: M labelled positions, H hidden, V vocab, B block size, n blocks, K = B-1 drafted
+positions (or selector candidates in `ce_selection_sum`), A anchors.
 """
 
 from __future__ import annotations
@@ -38,11 +39,38 @@ def head_logits(h_MH, w_VH, logit_transform=None, b_V=None):
     return logit_transform(logits) if logit_transform is not None else logits
 
 
-def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None, b_V=None):
+def prefix_position_weights(prefix_NA: torch.Tensor, block_size: int, gamma: float | None = None):
+    """train.loss=variable_prefix: w_k = exp(-(k-l)/gamma) for block positions k >= l (the
+    decay re-anchored at the visible prefix of length l), 0 before it. [N, A, B-1]."""
+    g = default_gamma(block_size) if gamma is None else float(gamma)
+    k = torch.arange(1, block_size, device=prefix_NA.device, dtype=torch.float32)
+    ahead = k - prefix_NA[..., None].float()
+    return torch.exp(-ahead.clamp(min=0) / g) * (ahead >= 0)
+
+
+def dpace_weights(ce_nK: torch.Tensor, valid_nK: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE position weights [n, K] of each block's drafted positions (no gradient).
+
+    With q_k = exp(-CE_k) the drafter's probability of the target's token at position k and
+    s_k = (1 - alpha) q_k + alpha (smoothed; 1 where the position has no label), the expected
+    accepted length surrogate is E = sum_t prod_{j<=t} s_j, and w_k = sum_{t>=k, t valid}
+    prod_{j<=t} s_j = dE / d log s_k: each position weighs what the positions after it stand to
+    gain from it. Definition: vLLM speculators, src/speculators/losses/utils.py
+    (`dpace_loss_decay`); paper arXiv 2605.18810."""
+    with torch.no_grad():
+        valid = valid_nK.float()
+        smooth = (1.0 - alpha) * torch.exp(-ce_nK.float()) + alpha
+        smooth = torch.where(valid > 0, smooth, torch.ones_like(smooth))
+        reach = torch.cumprod(smooth, dim=-1) * valid
+        return reach.flip(-1).cumsum(-1).flip(-1) * valid
+
+
+def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None, b_V=None, correct_w_M=None):
     logits = head_logits(h_MH, w_VH, logit_transform, b_V)
     ce = F.cross_entropy(logits, labels_M, reduction="none")
     correct = (logits.argmax(-1) == labels_M).float()
-    return (ce * weights_M).sum(), (correct * weights_M).sum().detach()
+    cw = weights_M if correct_w_M is None else correct_w_M
+    return (ce * weights_M).sum(), (correct * cw).sum().detach()
 
 
 def weighted_ce_sum(
@@ -54,13 +82,16 @@ def weighted_ce_sum(
     chunk: int = 4096,
     logit_transform=None,
     lm_head_b_V: torch.Tensor | None = None,
+    correct_weights_M: torch.Tensor | None = None,
 ):
     """Hard CE against the target's greedy tokens, weighted, summed. The [M, V] logits are built
     chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
     logit_transform: the drafter's (output multiplier, softcapping) on fp32 logits;
     lm_head_b_V: the head's bias (None: it has none).
-    Returns (loss_sum, weighted_correct_sum). With M = 0 the sum is a zero that is still
-    connected to h's graph, so backward (and a DDP all-reduce) runs like any other micro-batch."""
+    Returns (loss_sum, weighted_correct_sum); correct_weights_M weigh the second when they
+    differ from the loss's (D-PACE: accuracy per label, loss per D-PACE weight). With M = 0 the
+    sum is a zero that is still connected to h's graph, so backward (and a DDP all-reduce) runs
+    like any other micro-batch."""
     loss = _graph_zero(h_MH)
     correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
     for i in range(0, h_MH.shape[0], chunk):
@@ -71,12 +102,87 @@ def weighted_ce_sum(
             weights_M[i : i + chunk],
             logit_transform,
             lm_head_b_V,
+            None if correct_weights_M is None else correct_weights_M[i : i + chunk],
         )
         if torch.is_grad_enabled() and h_MH.requires_grad:
             l, c = checkpoint(_ce_chunk, *args, use_reentrant=False)
         else:
             l, c = _ce_chunk(*args)
         loss = loss + l
+        correct = correct + c
+    return loss, correct
+
+
+@torch.no_grad()
+def ce_values(
+    h_MH, lm_head_w_VH, labels_M, *, chunk: int = 4096, logit_transform=None, lm_head_b_V=None
+):
+    """Per-position CE [M] without a graph (D-PACE's weights are computed from it)."""
+    out = [
+        F.cross_entropy(
+            head_logits(h_MH[i : i + chunk], lm_head_w_VH, logit_transform, lm_head_b_V),
+            labels_M[i : i + chunk],
+            reduction="none",
+        )
+        for i in range(0, h_MH.shape[0], chunk)
+    ]
+    return torch.cat(out) if out else h_MH.new_zeros(0, dtype=torch.float32)
+
+
+def _ce_topk_chunk(h_MH, w_VH, labels_M, weights_M, correct_weights_M, top_k, transform, b_V):
+    logits = head_logits(h_MH, w_VH, transform, b_V)
+    ce = F.cross_entropy(logits, labels_M, reduction="none")
+    correct = ((logits.argmax(-1) == labels_M).float() * correct_weights_M).sum().detach()
+    unary, cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+    return (ce * weights_M).sum(), correct, unary, cand
+
+
+def ce_selection_sum(
+    h_MH: torch.Tensor,
+    lm_head_w_VH: torch.Tensor,
+    labels_M: torch.Tensor,
+    weights_M: torch.Tensor,
+    prev_M: torch.Tensor,
+    selector,
+    *,
+    selection_weight: float,
+    chunk: int = 4096,
+    logit_transform=None,
+    lm_head_b_V: torch.Tensor | None = None,
+    correct_weights_M: torch.Tensor | None = None,
+):
+    """DFlash2's objective: the block CE of `weighted_ce_sum` plus selection_weight x the
+    selector's CE among each position's top-K candidates, from one [chunk, V] logits per chunk.
+
+    The selection term at a labelled position: scores = selector(h, top-K logits, candidates,
+    prev) with prev the token before the position on the path that the chain would still be
+    verifying there (the anchor, or the target's greedy token of the previous position: a
+    position counts at T=0 only when every earlier drafted token matched it, so this teacher
+    forcing is exact), and the loss is -log softmax(scores)[target's token]. It is the negative
+    log likelihood of the reference's sampled proposal at T=1 and trains its T=0 argmax alike.
+    Where the target's token is not among the candidates the selector cannot draft it: the
+    position adds no selection term (the block CE is what brings the token into the top-K).
+    Gradients reach the selector, the drafter (through h and the top-K logits) and nothing else.
+    Same weights as the block CE, so the caller divides both by one global weight sum.
+    Returns (loss_sum, weighted_correct_sum) as `weighted_ce_sum`."""
+    loss = _graph_zero(h_MH)
+    correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
+    cw_M = weights_M if correct_weights_M is None else correct_weights_M
+    # M = 0 still runs one empty chunk: the selector's weights then get (zero) gradients too,
+    # so data-parallel peers reduce the same parameters
+    for i in range(0, max(h_MH.shape[0], 1), chunk):
+        sl = slice(i, i + chunk)
+        args = (h_MH[sl], lm_head_w_VH, labels_M[sl], weights_M[sl], cw_M[sl], selector.top_k)
+        if torch.is_grad_enabled() and h_MH.requires_grad:
+            ce, c, unary, cand = checkpoint(
+                _ce_topk_chunk, *args, logit_transform, lm_head_b_V, use_reentrant=False
+            )
+        else:
+            ce, c, unary, cand = _ce_topk_chunk(*args, logit_transform, lm_head_b_V)
+        scores = selector(h_MH[sl], unary, cand, prev_M[sl]).float()
+        hit = cand == labels_M[sl, None]
+        sel = F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")
+        loss = loss + ce + selection_weight * (sel * hit.any(-1) * weights_M[sl]).sum()
         correct = correct + c
     return loss, correct
 

@@ -120,6 +120,9 @@ class FSDP(Parallel):
         # The MLPs (~5/6 of a layer's weights) are; attention, fc and norms belong to the root.
         for layer in drafter.layers:
             fully_shard(layer.mlp, mesh=mesh)
+        # DFlash2's selector is called by the loss, after the drafter's forward: its own unit
+        if hasattr(drafter, "candidate_selector"):
+            fully_shard(drafter.candidate_selector, mesh=mesh)
         fully_shard(drafter, mesh=mesh)
         super().__init__(drafter, cfg, device, group)
 

@@ -29,12 +29,14 @@ from ..drafter.blocks import (
     sample_anchors,
     sample_kept_labels,
 )
-from ..drafter.model import DFlashDrafter, DrafterSpec
+from ..drafter.model import DFlashDrafter
+from ..drafter.spec import DrafterSpec
+from ..drafter.variants import build_model
 from ..target.load import resolve_dtype
 from ..target.shape import Heads
 from .budget import TimeBudget, budget_lr
-from .fused_ce import fused_weighted_ce_sum
-from .losses import cosine_lr, position_weights, soft_kl_sum, weighted_ce_sum
+from .losses import cosine_lr, position_weights
+from .objective import Objective
 from .parallelize import check_saved_optimizer, parallelize
 
 
@@ -59,6 +61,7 @@ class Prepared:
     num_labels: int
     num_tokens: int
     loss_weights_NAK: torch.Tensor | None = None  # None: weights_NAK
+    prefix_NA: torch.Tensor | None = None  # train.loss=variable_prefix: visible prefix lengths
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, A, B-1, ...] -> its M labelled entries, in row-major order (= x[label_valid])."""
@@ -125,7 +128,8 @@ class DrafterTrainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.par.base_optimizer, lambda s: self._lr_factor(s)
         )
-        self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
+        # train.loss and drafter.variant: prefixes, weights, the loss (dflash.train.objective)
+        self.objective = Objective(cfg, self.drafter, device, self.dtype)
         # train.label_sampling=by_weight: P(keep position k's label) = w_k / w_1 (host tensor)
         self.keep_p_k = None
         if cfg.label_sampling == "by_weight":
@@ -160,6 +164,11 @@ class DrafterTrainer:
         seeds = [row_seed(self.cfg.seed, step, int(k)) for k in tb.row_seeds]
         anchors_h, valid_h = sample_anchors(cand, self.cfg.max_anchors, seeds, self.cfg.compile)
         lvalid_h = label_valid(host.loss_mask_NT, host.segment_ids_NT, anchors_h, valid_h, B)
+        prefix_h = self.objective.prefix_lengths(
+            [row_seed(self.cfg.seed + 3, step, int(k)) for k in tb.row_seeds], anchors_h.shape
+        )
+        if prefix_h is not None:  # train.loss=variable_prefix: labels only past the prefix
+            lvalid_h = lvalid_h & self.objective.past_prefix(prefix_h)
         if self.keep_p_k is not None:  # train.label_sampling=by_weight
             seeds_keep = [row_seed(self.cfg.seed + 2, step, int(k)) for k in tb.row_seeds]
             lvalid_h = lvalid_h & sample_kept_labels(
@@ -181,10 +190,14 @@ class DrafterTrainer:
             mask_rules(self.spec),
         )
         blocks.masks = to_kernel_masks(blocks.masks, self.attn_kernel)
+        prefix = None if prefix_h is None else to_device(prefix_h, dev)
         # the same rule on the device's loss mask: a deferred screen (build.screen_batch) may
         # have dropped a sample after the host copy was taken; its labels then weigh nothing
         lvalid = label_valid(tb.loss_mask_NT, tb.segment_ids_NT, anchors, valid, B)
-        weights = self.weights_k[None, None, :] * lvalid
+        if prefix is not None:
+            self.objective.show_prefix(blocks, tb, prefix)
+            lvalid = lvalid & self.objective.past_prefix(prefix)
+        weights = self.objective.weights(lvalid, prefix)
         return Prepared(
             blocks,
             gather_labels(tb.next_token_NT, anchors, B),
@@ -198,6 +211,7 @@ class DrafterTrainer:
             loss_weights_NAK=None
             if self.keep_p_k is None
             else weights / to_device(self.keep_p_k, dev),
+            prefix_NA=prefix,
         )
 
     def autocast(self):
@@ -206,9 +220,8 @@ class DrafterTrainer:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def forward_sums(self, tb: TargetBatch, prepared: Prepared, model: nn.Module | None = None):
+        """(loss sum, weighted correct sum) of one micro-batch (dflash.train.objective)."""
         blocks, p = prepared.blocks, prepared
-        labels = p.select(p.labels_NAK)
-        weights = p.select(p.weights_NAK if p.loss_weights_NAK is None else p.loss_weights_NAK)
         model = model or self.model
         N, A = blocks.anchors_NA.shape
         B = self.spec.block_size
@@ -223,36 +236,8 @@ class DrafterTrainer:
                 ctx_pos_NT=tb.position_ids_NT,
             )
             h_M = h.reshape(N * A * B, -1).index_select(0, p.hidden_index_M)
-            # the head stays in its own dtype: loss.head_logits casts the hidden chunk instead
-            w_lm, chunk, b_lm = self.heads.lm_head.weight, self.cfg.lm_head_chunk, self.heads.bias
-            if self.cfg.loss == "hard_ce" and self.device.type == "cuda":
-                spec = self.spec
-                return fused_weighted_ce_sum(
-                    *(h_M, w_lm, labels, weights),
-                    chunk=chunk,
-                    dtype=self.dtype,
-                    output_multiplier=spec.output_multiplier,
-                    softcap=spec.final_logit_softcapping,
-                    lm_head_b_V=b_lm,
-                )
-            head = dict(chunk=chunk, logit_transform=self.drafter.logit_transform, lm_head_b_V=b_lm)
-            if self.cfg.loss == "hard_ce":
-                return weighted_ce_sum(h_M, w_lm, labels, weights, **head)
-            th = self._target_hidden_at_labels(tb, blocks, p)
-            return soft_kl_sum(h_M, w_lm, th, weights, **head), h_M.new_zeros(())
-
-    def _target_hidden_at_labels(self, tb, blocks, prepared: Prepared):
-        if tb.final_hidden_NTH is None:
-            raise ValueError(
-                "train.loss=soft_kl needs the target's final hidden states in the batch"
-            )
-        k = torch.arange(1, self.spec.block_size, device=blocks.anchors_NA.device)
-        src = (blocks.anchors_NA[:, :, None] + k - 1).clamp(max=tb.final_hidden_NTH.shape[1] - 1)
-        N = src.shape[0]
-        th = tb.final_hidden_NTH.gather(
-            1, src.view(N, -1, 1).expand(-1, -1, tb.final_hidden_NTH.shape[-1])
-        )
-        return prepared.select(th.view(*src.shape, -1))
+            # the head stays in its own dtype: the losses cast the hidden chunk instead
+            return self.objective.sums(h_M, tb, p, self.heads)
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_world > 1:
@@ -347,7 +332,7 @@ class DrafterTrainer:
         if not self.par.sharded:
             return self.drafter
         full = self.par.full_state()
-        copy = DFlashDrafter(self.spec).to(self.device)
+        copy = build_model(self.spec).to(self.device)
         copy.load_state_dict(full)
         return copy
 
