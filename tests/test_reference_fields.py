@@ -444,7 +444,9 @@ def test_the_targets_heads_are_used_as_the_reference_uses_them(tmp_path):
     g = torch.Generator().manual_seed(3)
     final, q_logits = torch.randn(T_LEN - P, H, generator=g), torch.randn(4, 3, V, generator=g)
     item = EvalItem(ids[:P], ids[P:T_LEN], aux[:T_LEN], final)
-    alpha = _overlaps(q_logits, item, 0, heads, [1.0], 1.0, 0)[..., 0, 0]
+    draft = q_logits.argmax(-1)  # the DFlash drafter's proposal is its logits' distribution
+    h = torch.zeros(4, 3, H)
+    alpha = _overlaps(drafter, heads, h, q_logits, draft, item, 0, [1.0], 1.0, 0)[..., 0, 0]
     rows = torch.arange(4)[:, None] + torch.arange(1, 4)[None]  # completion index of each draft
     p = (final[rows] @ lm_W.t() + lm_b).softmax(-1)
     torch.testing.assert_close(alpha, overlap(p, q_logits.softmax(-1)), atol=1e-5, rtol=1e-5)

@@ -29,7 +29,8 @@ from ..common.manifest import verify_manifest, write_manifest
 from ..config import RunConfig
 from ..data.stream import SampleStream
 from ..drafter.checkpoint import check_finite, load_drafter, read_drafter_config, save_drafter
-from ..drafter.model import DFlashDrafter, DrafterSpec
+from ..drafter.model import DFlashDrafter
+from ..drafter.spec import DrafterSpec
 from .parallelize import SHARDS_DIR
 
 
