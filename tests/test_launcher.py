@@ -219,7 +219,12 @@ def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys)
 @pytest.mark.parametrize(
     "train,resume,match",
     [
-        ({"dist": "deepspeed", "zero_stage": 3}, "/some/run", "resume with train.dist=deepspeed"),
+        pytest.param(
+            {"dist": "deepspeed", "zero_stage": 3},
+            "/some/run",
+            "resume with train.dist=deepspeed",
+            marks=pytest.mark.extra("deepspeed"),
+        ),
         ({"dist": "fsdp"}, "/some/run", "resume with train.dist=fsdp"),
     ],
 )
