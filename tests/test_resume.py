@@ -144,6 +144,18 @@ def test_resume_allows_logging_and_eval_changes(tiny_qwen, tmp_path):
     assert plan_run(cfg, str(tmp_path / "r"), named=True).step == 2
 
 
+def test_resume_may_change_the_time_budget_but_not_add_or_drop_it(tiny_qwen, tmp_path):
+    """The README's `resume=outputs/NAME train.time_budget_min=25` on a budgeted run."""
+    from dflash.run.plan import plan_run
+
+    fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.time_budget_min=20")
+    cfg = typed(tmp_path, "run_name=r", "resume=true", "train.time_budget_min=25")
+    assert plan_run(cfg, str(tmp_path / "r"), named=True).step == 2
+    cfg = typed(tmp_path, "run_name=r", "resume=true")  # the budget dropped: steps would rule
+    with pytest.raises(ValueError, match="train.time_budget_min changed .20.0 -> None"):
+        plan_run(cfg, str(tmp_path / "r"), named=True)
+
+
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(tiny_qwen, tmp_path, capsys):
     from dflash.run.launcher import launch
 

@@ -58,6 +58,8 @@ SAFE_KEYS = (
     # the sample order is by absolute position: another layout may cut it into steps differently
     "train.micro_batch_size",
     "train.grad_accum",
+    # the schedule goes on from the fraction reached, over what the new budget leaves (budget.py)
+    "train.time_budget_min",
 )
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_ratio")
 
@@ -177,6 +179,15 @@ def check_same_run(
         return  # a step directory outside a run: only the drafter's config can be checked
     now = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
     old = _flat(saved)
+    budget = "train.time_budget_min"
+    if budget in old and (now[budget] is None) != (old[budget] is None):
+        raise ValueError(
+            f"resume: {budget} changed ({old[budget]!r} -> {now[budget]!r}) since the run "
+            "started; a budgeted run's schedule follows the clock and a step-counted one the "
+            f"steps, so one cannot continue as the other; set {budget}="
+            f"{'null' if old[budget] is None else old[budget]} (another value is fine), or start "
+            f"a new run from the checkpoint with drafter.init_from={ckpt}"
+        )
     for key in sorted(now):
         if key in old and not _safe(key) and now[key] != old[key]:
             how = (
