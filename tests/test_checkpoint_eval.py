@@ -185,7 +185,7 @@ def test_eval_cli_real_decoding(trained_run, tmp_path):
         [
             sys.executable,
             "eval.py",
-            f"ckpt={run_dir / 'checkpoints' / 'step_00000020'}",
+            f"ckpt={run_dir / 'checkpoints' / 'latest'}",  # the README's form: a file
             f"out={out}",
             f"out_root={tmp_path}",
             f"eval_dir={tmp_path}/ev",

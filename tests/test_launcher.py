@@ -181,9 +181,11 @@ def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
 
     ck = tmp_path / "smoke-1" / "checkpoints" / "step_00000300"
     ck.mkdir(parents=True)
+    (ck / "config.json").write_text("{}")
     assert eval_dir(RunConfig(ckpt=str(ck))) == os.path.join("evals", "smoke-1-step_00000300")
     pub = tmp_path / "Qwen3.6-27B-DFlash"
     pub.mkdir()
+    (pub / "model.safetensors").write_text("")
     assert eval_dir(RunConfig(ckpt=str(pub))) == os.path.join("evals", "Qwen3.6-27B-DFlash")
     before = set(os.listdir(ROOT))
     r = subprocess.run(
@@ -196,6 +198,28 @@ def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
     )
     assert "is not a directory" in _error_line(r)
     assert set(os.listdir(ROOT)) == before
+
+
+def test_eval_ckpt_may_name_a_run_dir_its_latest_file_or_a_step_dir(tmp_path):
+    """The README's `eval.py ckpt=outputs/NAME/checkpoints/latest` (a file), a run directory
+    (its newest checkpoint) and a step directory all name the same drafter."""
+    from dflash.config import RunConfig
+    from dflash.eval.cli import eval_dir
+
+    run = tmp_path / "smoke-1"
+    for step in (100, 200):
+        (run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:08d}" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000200\n")
+    want = os.path.join("evals", "smoke-1-step_00000200")
+    for ck in (run, run / "checkpoints", run / "checkpoints" / "latest"):
+        assert eval_dir(RunConfig(ckpt=str(ck))) == want, ck
+    (run / "checkpoints" / "latest").unlink()  # lost: the newest step
+    assert eval_dir(RunConfig(ckpt=str(run))) == want
+    step = run / "checkpoints" / "step_00000100"
+    assert eval_dir(RunConfig(ckpt=str(step))) == os.path.join("evals", "smoke-1-step_00000100")
+    with pytest.raises(FileNotFoundError, match="holds no drafter.*a run directory"):
+        eval_dir(RunConfig(ckpt=str(tmp_path)))
 
 
 def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys):

@@ -49,6 +49,40 @@ def find_checkpoint(path: str) -> str:
     )
 
 
+def drafter_dir(path: str) -> str:
+    """A drafter directory (config.json + weights) from what a user names: a step directory or
+    a published drafter as it is, a run directory or its checkpoints/ (-> the step that
+    checkpoints/latest names, else the newest step_*), or the file checkpoints/latest itself."""
+    p = os.path.normpath(os.path.expanduser(path))
+    if os.path.isfile(p) and os.path.basename(p) == "latest":
+        with open(p) as f:
+            p = os.path.join(os.path.dirname(p), f.read().strip())
+    if os.path.isfile(os.path.join(p, "config.json")) or glob.glob(
+        os.path.join(p, "*.safetensors")
+    ):
+        return p  # a drafter (one missing its config.json is named by load_drafter)
+    for root in (os.path.join(p, "checkpoints"), p):
+        latest = os.path.join(root, "latest")
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                cand = os.path.join(root, f.read().strip())
+            if os.path.isfile(os.path.join(cand, "config.json")):
+                return cand
+        steps = sorted(
+            d
+            for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "config.json"))
+        )
+        if steps:
+            return os.path.join(root, steps[-1])
+    what = "is not a directory" if not os.path.exists(p) else "holds no drafter"
+    raise FileNotFoundError(
+        f"ckpt={path!r} {what}: name a drafter directory (config.json + model.safetensors: a "
+        "step_* directory or a published drafter), a run directory (its newest checkpoint), or "
+        "its checkpoints/latest"
+    )
+
+
 RUN_CONFIG = "run_config.json"
 
 
