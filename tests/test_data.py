@@ -519,3 +519,27 @@ def test_eval_prompts_are_held_out_from_training(tmp_path):
     )
     with pytest.raises(ValueError, match="no held-out prompts"):
         heldout_text_prompts(rc)
+
+
+def test_eval_set_cache_is_shared_across_data_cache_dirs(tmp_path, tiny_llama):
+    """data.cache_dir (and batch packing, the static decoder's options) do not change an eval
+    set: another run with the same eval set reads it from the cache instead of rebuilding it."""
+    from dflash.config import EvalConfig, RunConfig
+    from dflash.eval.sets import build_eval_set
+
+    def cfg(**data):
+        return RunConfig(
+            data=DataConfig(source="selfgen", num_samples=4, prompt_len=4, **data),
+            eval=EvalConfig(num_prompts=2, completion_len=6, batch_size=2),
+        )
+
+    logs = []
+    a = build_eval_set(cfg(cache_dir="/a"), tiny_llama, str(tmp_path), log=logs.append)
+    assert not any("from cache" in m for m in logs)
+    for other in (dict(cache_dir="/b"), dict(pack_to=64), dict(regen_compact=True)):
+        logs.clear()
+        b = build_eval_set(cfg(**other), tiny_llama, str(tmp_path), log=logs.append)
+        assert any("from cache" in m for m in logs), other
+        assert [torch.equal(x.aux_TF, y.aux_TF) for x, y in zip(a, b)] == [True, True]
+    (cache,) = [f for f in os.listdir(tmp_path) if f.startswith("eval-")]
+    assert os.stat(tmp_path / cache).st_mode & 0o044 == 0o044  # readable by group and others

@@ -93,6 +93,21 @@ def test_bad_invocation_is_one_line_and_leaves_no_directory(tmp_path, args, matc
     assert time.monotonic() - t0 < 60  # before any model loads (was ~20 s of loading + regen)
 
 
+def test_a_start_that_fails_leaves_no_empty_out_root_behind(tmp_path):
+    """A run that fails before it started removes its run dir and the folders it made for it
+    (out_root included), but never a folder that was there or holds something else."""
+    from dflash.run.directory import RunDir
+
+    rd = RunDir(str(tmp_path / "out" / "exp" / "run"), "train.log").open()
+    print("a line for the log")
+    rd.close(ok=False)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "out" / "other").mkdir(parents=True)
+    rd = RunDir(str(tmp_path / "out" / "exp" / "run"), "train.log").open()
+    rd.close(ok=False)
+    assert os.listdir(tmp_path / "out") == ["other"]
+
+
 def test_target_too_big_for_memory_or_needing_cuda_is_refused(monkeypatch):
     import dflash.run.preflight as P
 

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..common.layout import usual_mode
 from .model import DFlashDrafter, DrafterSpec
 
 # Serving weights are written in this dtype; the in-loop eval rounds to it (dflash.eval.offline).
@@ -24,6 +25,7 @@ def save_drafter(path: str, drafter: DFlashDrafter, dtype: torch.dtype = EXPORT_
         json.dump(drafter.spec.to_hf_config(str(dtype).removeprefix("torch.")), f, indent=2)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    usual_mode(os.path.join(path, "model.safetensors"))
 
 
 def read_drafter_config(path: str) -> dict:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..common.layout import usual_mode
 from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
 from ..data.prompts import encode_prompts, random_prompts
@@ -29,6 +30,7 @@ NOT_IN_KEY = (
     "show_rounds",
     "enabled",
 )
+DATA_NOT_IN_KEY = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
 
 
 @dataclass
@@ -125,6 +127,25 @@ def heldout_text_prompts(cfg, exclude_training: bool = True) -> list:
     return out
 
 
+def eval_set_name(cfg, layer_ids, exclude_training: bool) -> str:
+    """The cache file of an eval set: keyed by everything that changes its prompts, the target's
+    completions or the aux states (where the data cache lives, how training batches are packed
+    and the static decoder's options do not)."""
+    key = json.dumps(
+        {
+            "format": 2,  # items carry final_LH
+            "exclude_training": exclude_training,
+            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
+            "data": {k: v for k, v in vars(cfg.data).items() if k not in DATA_NOT_IN_KEY},
+            "target": vars(cfg.target),
+            "layers": list(layer_ids),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+
+
 def build_eval_set(
     cfg,
     target,
@@ -135,19 +156,7 @@ def build_eval_set(
 ) -> list[EvalItem]:
     """The cached eval set of this config from cache_dir or read_dirs (eval.py: the run's own
     cache, where the in-loop eval left it), else built and saved in cache_dir."""
-    key = json.dumps(
-        {
-            "format": 2,  # items carry final_LH
-            "exclude_training": exclude_training,
-            "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
-            "data": vars(cfg.data),
-            "target": vars(cfg.target),
-            "layers": target.layer_ids,
-        },
-        sort_keys=True,
-        default=str,
-    )
-    name = f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.safetensors"
+    name = eval_set_name(cfg, target.layer_ids, exclude_training)
     for d in (cache_dir, *read_dirs):
         if d and os.path.exists(os.path.join(d, name)):
             items = load_eval_set(os.path.join(d, name))
@@ -196,6 +205,7 @@ def save_eval_set(items: list[EvalItem], path: str) -> None:
             t[f"{i}.final"] = it.final_LH.contiguous()
     tmp = f"{path}.tmp{os.getpid()}"
     save_file(t, tmp)
+    usual_mode(tmp)
     os.replace(tmp, path)
 
 

@@ -54,6 +54,7 @@ class RunDir:
     def __init__(self, path: str, log_name: str, writer: bool = True):
         self.path, self.log_name, self.writer = path, log_name, writer
         self.made = False
+        self._made_top: str | None = None  # the outermost folder open() made (out_root, ...)
         self._log = None
         self._saved: tuple | None = None
 
@@ -61,6 +62,7 @@ class RunDir:
         if not self.writer:  # rank 0 makes (and may remove) the directory
             return self
         self.made = not os.path.exists(self.path)
+        self._made_top = _first_missing(self.path)
         os.makedirs(self.path, exist_ok=True)
         if self.writer:
             self._log = open(os.path.join(self.path, self.log_name), "a", buffering=1)
@@ -82,6 +84,7 @@ class RunDir:
         started = os.path.exists(os.path.join(self.path, "run_config.json"))
         if not ok and self.made and not started:
             shutil.rmtree(self.path, ignore_errors=True)
+            _remove_empty_parents(self.path, self._made_top)
 
     @staticmethod
     def _retarget_handlers(old: tuple, new: tuple) -> None:
@@ -98,3 +101,24 @@ class RunDir:
                                 h.setStream(n)
                             except AttributeError:  # a handler that reads sys.stderr itself
                                 pass
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (None: path exists)."""
+    path, top = os.path.abspath(path), None
+    while not os.path.exists(path):
+        top, path = path, os.path.dirname(path)
+    return top
+
+
+def _remove_empty_parents(path: str, top: str | None) -> None:
+    """After the run dir itself went: the folders above it that open() made, while empty."""
+    if top is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    while len(d) >= len(top) and d.startswith(top):
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty: another run, or a cache, lives there
+            return
+        d = os.path.dirname(d)
