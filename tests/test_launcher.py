@@ -69,6 +69,13 @@ def test_unknown_keys_name_the_closest(override, match):
         "resume=true",
         "hydra.verbose=true",
         "drafter.rope_scaling={rope_type: yarn}",
+        "train.lr=1e-3",
+        "train.steps=5",
+        "eval.enabled=false",
+        "train.time_budget_min=null",
+        "drafter.target_layer_ids=[1,2]",
+        "train.lr=${train.min_lr_ratio}",
+        "train.lr=1e-3,2e-3",  # a sweep (-m)
     ],
 )
 def test_valid_overrides_pass(override):
@@ -81,6 +88,9 @@ def test_valid_overrides_pass(override):
         (["+train.stpes=5"], "did you mean train.steps"),
         (["train.log_every=0"], "train.log_every"),
         (["resume=/nonexistent/run"], "no resumable checkpoint under '/nonexistent/run'"),
+        (["train.lr=abc"], "'train.lr=abc': train.lr takes a number, got 'abc'"),
+        (["train.steps=1.5"], "train.steps takes an integer, got '1.5'"),
+        (["eval.enabled=maybe"], "eval.enabled takes true or false, got 'maybe'"),
     ],
 )
 def test_bad_invocation_is_one_line_and_leaves_no_directory(tmp_path, args, match):
