@@ -93,3 +93,47 @@ def test_corrupt_train_state_names_the_file(tiny_qwen, tmp_path, damage):
     msg = str(e.value)
     assert msg.startswith(str(state)) and "resume from another step_* directory" in msg, msg
     assert "\n" not in msg and os.path.isfile(state)
+
+
+def test_damaged_data_and_eval_caches_are_named(tmp_path, tiny_llama):
+    """A damaged cache file is one line naming it and what to do, not torch's or safetensors'
+    raw error (e.g. `PytorchStreamReader failed reading zip archive`)."""
+    from dflash.config import EvalConfig, RunConfig, TargetConfig
+    from dflash.data.dataset import dataset_path, load_or_build_dataset
+    from dflash.eval.sets import build_eval_set
+
+    dc = DataConfig(source="selfgen", num_samples=4, prompt_len=4, response_len=4, max_length=16)
+    tc = TargetConfig(name="tiny_llama")
+    path = dataset_path(dc, tc, str(tmp_path))
+    open(path, "wb").write(b"PK\x03\x04 half a zip")
+    with pytest.raises(ValueError) as e:
+        load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=lambda *_: None)
+    assert f"the data cache {path} is damaged" in str(e.value) and "delete it" in str(e.value)
+    rc = RunConfig(data=dc, eval=EvalConfig(num_prompts=2, completion_len=4, batch_size=2))
+    build_eval_set(rc, tiny_llama, str(tmp_path), log=lambda *_: None)
+    (ev,) = [p for p in tmp_path.iterdir() if p.name.startswith("eval-")]
+    ev.write_text('{"unterminated')
+    with pytest.raises(ValueError) as e:
+        build_eval_set(rc, tiny_llama, str(tmp_path), log=lambda *_: None)
+    assert f"the eval-set cache {ev} is damaged" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_damaged_run_config_is_named_and_skipped_when_looking_for_the_newest_run(
+    tiny_qwen, tmp_path, capsys
+):
+    """resume=true looks through every run of out_root: one damaged run_config.json is skipped
+    with a line instead of breaking the search; resuming that run names the file."""
+    from dflash.common.layout import newest_run_of, read_run_config, write_run_config
+    from dflash.config import RunConfig
+
+    for name in ("a", "b"):
+        save_checkpoint(str(tmp_path / name), 2, make_drafter(tiny_qwen), {})
+        write_run_config(RunConfig(exp_name="e"), str(tmp_path / name))
+    os.utime(tmp_path / "a" / "checkpoints" / "step_00000002", (1, 1))  # b is the newest
+    (tmp_path / "b" / "run_config.json").write_text('{"exp_name": "e", "data": {"x": "unter')
+    ck = newest_run_of(str(tmp_path), "e")
+    assert ck == str(tmp_path / "a" / "checkpoints" / "step_00000002")
+    out = capsys.readouterr().out
+    assert f"skipping {tmp_path / 'b'}: {tmp_path / 'b' / 'run_config.json'} is damaged" in out
+    with pytest.raises(ValueError, match=r"b/run_config.json is damaged \(not valid JSON"):
+        read_run_config(str(tmp_path / "b"))

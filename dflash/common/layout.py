@@ -121,18 +121,34 @@ def _checkpoint_or_none(path: str) -> str | None:
 
 
 def read_run_config(run_dir: str | None) -> dict | None:
+    """The run's run_config.json (None: it has none); a damaged one is a ValueError naming it."""
     path = os.path.join(run_dir, RUN_CONFIG) if run_dir else None
     if not path or not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is damaged (not valid JSON: {e}); the run's config is rewritten when it "
+            "starts again: delete the file to resume without checking that its data and model "
+            "are unchanged"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is damaged (a JSON {type(saved).__name__}, not the run's config)")
+    return saved
 
 
 def newest_run_of(out_root: str, exp_name: str) -> str:
-    """The checkpoint of the newest run under out_root whose run_config.json records exp_name."""
+    """The checkpoint of the newest run under out_root whose run_config.json records exp_name;
+    a run whose run_config.json is damaged is skipped with a line."""
     found = []
-    for d in glob.glob(os.path.join(out_root, "*")):
-        saved = read_run_config(d)
+    for d in sorted(glob.glob(os.path.join(out_root, "*"))):
+        try:
+            saved = read_run_config(d)
+        except ValueError as e:
+            print(f"resume=true: skipping {d}: {e}", flush=True)
+            continue
         ck = _checkpoint_or_none(d) if saved and saved.get("exp_name") == exp_name else None
         if ck:
             found.append((os.path.getmtime(ck), ck))

@@ -310,4 +310,10 @@ def _fmt_stats(stats: dict) -> str:
 
 
 def load_samples(path: str) -> list[Sample]:
-    return unpack_samples(torch.load(path))
+    try:
+        return unpack_samples(torch.load(path))
+    except Exception as e:  # truncated zip, pickle garbage, wrong contents: torch raises many
+        raise ValueError(
+            f"the data cache {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            "); delete it and start again: the target regenerates it"
+        ) from None

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
-from ..common.layout import drafter_dir, run_dir_of
+from ..common.layout import drafter_dir, read_run_config, run_dir_of
 from ..config import DataConfig, EvalConfig, RunConfig, TargetConfig
 from ..drafter.checkpoint import load_drafter
 from ..target.load import load_target
@@ -19,13 +18,9 @@ from .sets import build_eval_set
 
 def run_config_of(ckpt: str) -> dict | None:
     """Our checkpoints sit in <run_dir>/checkpoints/step_*; the run's config is next to them."""
-    for cand in (
-        os.path.join(ckpt, "..", "..", "run_config.json"),
-        os.path.join(ckpt, "run_config.json"),
-    ):
-        if os.path.isfile(cand):
-            with open(cand) as f:
-                return json.load(f)
+    for cand in (os.path.join(ckpt, "..", ".."), ckpt):
+        if os.path.isfile(os.path.join(cand, "run_config.json")):
+            return read_run_config(os.path.normpath(cand))
     return None
 
 

@@ -210,9 +210,15 @@ def save_eval_set(items: list[EvalItem], path: str) -> None:
 
 
 def load_eval_set(path: str) -> list[EvalItem]:
-    t = load_file(path)
-    n = len({k.split(".")[0] for k in t})
-    return [
-        EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
-        for i in range(n)
-    ]
+    try:
+        t = load_file(path)
+        n = len({k.split(".")[0] for k in t})
+        return [
+            EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
+            for i in range(n)
+        ]
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise ValueError(
+            f"the eval-set cache {path} is damaged ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120]}); delete it and start again: it is rebuilt"
+        ) from None
