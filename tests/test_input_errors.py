@@ -137,3 +137,62 @@ def test_damaged_run_config_is_named_and_skipped_when_looking_for_the_newest_run
     assert f"skipping {tmp_path / 'b'}: {tmp_path / 'b' / 'run_config.json'} is damaged" in out
     with pytest.raises(ValueError, match=r"b/run_config.json is damaged \(not valid JSON"):
         read_run_config(str(tmp_path / "b"))
+
+
+def _train_py(args, **kw):
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DFLASH_NO_PROGRESS": "1"},
+        **kw,
+    )
+
+
+def test_file_size_limit_while_saving_is_one_line_in_train_log_too(tmp_path):
+    """A checkpoint that hits a file-size limit (or a full disk) is one line naming what was
+    being written, on the console and in train.log, not torch's `[enforce fail at
+    inline_container.cc:672] . unexpected pos ...` traceback."""
+    import resource
+
+    def limit():  # the serving weights (0.7 MB) fit, train_state.pt (4 MB) does not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    args = ["run_name=r", "train.steps=2", "train.save_every=2", "data.num_samples=16"]
+    args += ["data.response_len=16", "eval.enabled=false", "logger=none"]
+    r = _train_py([f"out_root={tmp_path}", *args], preexec_fn=limit)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line == (
+        f"error: file size limit reached writing a checkpoint under {tmp_path}/r/checkpoints "
+        "(ulimit -f: 1000000 bytes); raise it: ulimit -f unlimited"
+    )
+    assert line in (tmp_path / "r" / "train.log").read_text()
+
+
+def test_an_out_root_that_cannot_be_written_is_one_line():
+    r = _train_py(["out_root=/sys/dflash-out", "run_name=r"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write /sys/dflash-out"), lines
+
+
+def test_full_disk_or_quota_names_the_path():
+    import errno
+
+    from dflash.common.storage import storage_error
+
+    for e in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+    ):
+        line = storage_error(e, "/tmp/x/model.safetensors")
+        assert line.startswith("no space left on the device writing /tmp/x/model.safetensors ("), e
+    quota = storage_error(OSError(errno.EDQUOT, "Disk quota exceeded"), "/tmp/x")
+    assert quota.startswith("disk quota exceeded writing /tmp/x")
+    assert storage_error(RuntimeError("CUDA out of memory"), "/tmp/x") is None
+    assert storage_error(ValueError("bad"), "/tmp/x") is None

@@ -21,14 +21,6 @@ from ..config import RunConfig
 STATE_FILE = "train_state.pt"
 
 
-def usual_mode(path: str) -> None:
-    """Give a file the permissions open() would have given it (0666 less the umask):
-    safetensors writes 0600, which hides checkpoints and caches from the rest of a group."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(path, 0o666 & ~mask)
-
-
 def find_checkpoint(path: str) -> str:
     """A step dir, or a run dir / checkpoints dir (-> its latest step)."""
     if os.path.isfile(os.path.join(path, STATE_FILE)):

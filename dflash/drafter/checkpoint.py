@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..common.layout import usual_mode
+from ..common.storage import usual_mode
 from .model import DFlashDrafter, DrafterSpec
 
 # Serving weights are written in this dtype; the in-loop eval rounds to it (dflash.eval.offline).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..common.layout import usual_mode
+from ..common.storage import usual_mode
 from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
 from ..data.prompts import encode_prompts, random_prompts

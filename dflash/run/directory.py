@@ -27,19 +27,26 @@ class _Tee:
         n = self.stream.write(s)
         self.pending += s
         *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self.log.write(line.rsplit("\r", 1)[-1].rstrip() + "\n")
-        self.log.flush()
+        self._to_log("".join(line.rsplit("\r", 1)[-1].rstrip() + "\n" for line in lines))
         return n if n is not None else len(s)
+
+    def _to_log(self, text: str) -> None:
+        """A full disk must not turn every print into an error: the console goes on."""
+        if not text or self.log.closed:
+            return
+        try:
+            self.log.write(text)
+            self.log.flush()
+        except OSError:
+            pass
 
     def flush(self) -> None:
         self.stream.flush()
-        self.log.flush()
+        self._to_log("")
 
     def close_line(self) -> None:
         tail = self.pending.rsplit("\r", 1)[-1].rstrip()
-        if tail:
-            self.log.write(tail + "\n")
+        self._to_log(tail + "\n" if tail else "")
         self.pending = ""
 
     def __getattr__(self, name):  # isatty, fileno, encoding... of the console stream
@@ -72,6 +79,11 @@ class RunDir:
             self._retarget_handlers(self._saved, (sys.stdout, sys.stderr))
         return self
 
+    def log_only(self, text: str) -> None:
+        """To the log file, not the console (a traceback Python prints to the console itself)."""
+        if self._saved is not None and isinstance(sys.stderr, _Tee):
+            sys.stderr._to_log(text)
+
     def close(self, ok: bool = True) -> None:
         if self._saved is not None:
             for tee in (sys.stdout, sys.stderr):
@@ -80,7 +92,10 @@ class RunDir:
             self._retarget_handlers((sys.stdout, sys.stderr), self._saved)
             sys.stdout, sys.stderr = self._saved
             self._saved = None
-            self._log.close()
+            try:
+                self._log.close()
+            except OSError:  # the last flush on a full disk
+                pass
         started = os.path.exists(os.path.join(self.path, "run_config.json"))
         if not ok and self.made and not started:
             shutil.rmtree(self.path, ignore_errors=True)

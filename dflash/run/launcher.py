@@ -1,9 +1,10 @@
 """The launcher: typed config, process setup, one dispatch to the colocated or the split run, and
 the exit codes of every process.
 
-Exit codes: 0 done; 2 bad input (a config value, a missing file: one `error: ...` line);
-3 the pipeline stopped (a peer rank died or hung, or topology.on_bad_batch=stop);
-130 interrupted; 1 anything else (with its traceback).
+Exit codes: 0 done; 2 bad input (a config value, a missing file, an out_root that cannot be
+written: one `error: ...` line); 3 the pipeline stopped (a peer rank died or hung, or
+topology.on_bad_batch=stop); 130 interrupted; 1 anything else: a full disk or a file-size limit
+in one line naming what was being written, any other failure with its traceback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..common.comm import (
     shutdown,
 )
 from ..common.interrupt import Interrupted
+from ..common.storage import storage_error
 from ..config import RunConfig
 from ..train.budget import start_clock_at_process_start
 from ..train.build import BadBatchError
@@ -67,10 +69,19 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
-    run_dir.open()
     resume_cmd = ResumeCommand(overrides or [], rc, run_dir.path, world)
-    if rank == 0:
-        resume_cmd.save()
+    try:
+        run_dir.open()
+        if rank == 0:
+            resume_cmd.save()
+    except OSError as e:
+        line = storage_error(e, e.filename or run_dir.path)
+        run_dir.close(ok=False)
+        print(
+            f"error: {line or f'cannot write the run directory {run_dir.path}: {e}'}",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_BAD_INPUT)
     if distributed:
         run_distributed(rc, run_dir, roles, resume_cmd)
         return
@@ -82,10 +93,27 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
         _finish(run_dir, False, resume_cmd.line(None), EXIT_INTERRUPTED)
     except (ValueError, FileNotFoundError) as e:
         _finish(run_dir, False, f"error: {e}", EXIT_BAD_INPUT)
-    except BaseException:
+    except BaseException as e:
+        line = _storage_line(e, run_dir.path)
+        if line:
+            _finish(run_dir, False, f"error: {line}", 1)
+        run_dir.log_only(traceback.format_exc())  # Python prints it to the console
         run_dir.close(ok=False)
         raise
     run_dir.close(ok=True)
+
+
+def _storage_line(e: BaseException, run_dir: str) -> str | None:
+    """A full disk, a quota, a file-size limit: one line naming what was being written (the
+    file when the error knows it, else a checkpoint's folder or the run directory)."""
+    if isinstance(e, KeyboardInterrupt | SystemExit):
+        return None
+    path = getattr(e, "filename", None)
+    if path:
+        return storage_error(e, path)
+    saving = any(f.name == "save_checkpoint" for f in traceback.extract_tb(e.__traceback__))
+    path = os.path.join(run_dir, "checkpoints") if saving else run_dir
+    return storage_error(e, path, ("a checkpoint under " if saving else "under ") + path)
 
 
 def _finish(run_dir: RunDir, ok: bool, msg: str, code: int, hard: bool = False) -> None:
@@ -165,6 +193,9 @@ def run_distributed(
     except (ValueError, FileNotFoundError) as e:
         _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
     except BaseException as e:  # noqa: BLE001 - any other failure must still end the process
+        line = _storage_line(e, run_dir.path)
+        if line:
+            _finish(run_dir, False, f"{tag} error: {line}", 1, hard=True)
         run_dir.close(ok=False)
         _die_of(e, tag, ctx, wait_for_receiver=roles is not None)
     run_dir.close(ok=ok)
