@@ -183,7 +183,7 @@ def test_an_out_root_that_cannot_be_written_is_one_line():
 def test_full_disk_or_quota_names_the_path():
     import errno
 
-    from dflash.common.storage import storage_error
+    from dflash.common.storage import storage_error, writing
 
     for e in (
         OSError(errno.ENOSPC, "No space left on device"),
@@ -192,6 +192,12 @@ def test_full_disk_or_quota_names_the_path():
     ):
         line = storage_error(e, "/tmp/x/model.safetensors")
         assert line.startswith("no space left on the device writing /tmp/x/model.safetensors ("), e
+    # a cache writer names its file: the launcher's line then names it too
+    with pytest.raises(OSError) as e:
+        with writing("/tmp/x/train-1.pt"):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 70 vs 5")
+    assert e.value.filename == "/tmp/x/train-1.pt"
+    assert storage_error(e.value, e.value.filename).startswith("no space left on the device writ")
     quota = storage_error(OSError(errno.EDQUOT, "Disk quota exceeded"), "/tmp/x")
     assert quota.startswith("disk quota exceeded writing /tmp/x")
     assert storage_error(RuntimeError("CUDA out of memory"), "/tmp/x") is None

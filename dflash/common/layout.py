@@ -17,6 +17,7 @@ import os
 import torch
 
 from ..config import RunConfig
+from .storage import writing
 
 STATE_FILE = "train_state.pt"
 
@@ -174,6 +175,6 @@ def keep_metrics_until(run_dir: str, step: int) -> None:
 def write_run_config(cfg: RunConfig, run_dir: str) -> None:
     path = os.path.join(run_dir, "run_config.json")
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with writing(path), open(tmp, "w") as f:
         json.dump(dataclasses.asdict(cfg), f, indent=2, default=str)
     os.replace(tmp, path)

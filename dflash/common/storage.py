@@ -5,6 +5,7 @@ unexpected pos 704 vs 598`, with no path)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -12,6 +13,28 @@ import resource
 import shutil
 
 _TORCH_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed", "file write failed")
+
+
+class ShortWrite(OSError):
+    """A writer that lost the errno (torch's zip writer) stopped short of writing `filename`."""
+
+
+@contextlib.contextmanager
+def writing(path: str):
+    """Around the write of one file: its failure carries the path (`filename`), so the
+    launcher's one line can name it."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = path
+        raise
+    except RuntimeError as e:
+        if any(s in str(e) for s in _TORCH_SHORT_WRITE):
+            err = ShortWrite(str(e).splitlines()[0])
+            err.filename = path
+            raise err from e
+        raise
 
 
 def usual_mode(path: str) -> None:
@@ -40,7 +63,9 @@ def storage_error(e: BaseException, path: str, label: str | None = None) -> str 
     """One line for a write of `path` (a file or the folder it went to; `label` says it in
     words) that failed for want of room or on a read-only place; None for any other error."""
     code = _errno_of(e)
-    short_write = isinstance(e, RuntimeError) and any(s in str(e) for s in _TORCH_SHORT_WRITE)
+    short_write = isinstance(e, ShortWrite) or (
+        isinstance(e, RuntimeError) and any(s in str(e) for s in _TORCH_SHORT_WRITE)
+    )
     if code is None and not short_write:
         return None
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]

@@ -9,11 +9,14 @@ file instead of a pickled list of per-sample dicts of tiny tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
 import numpy as np
 import torch
+
+from ..common.storage import writing
 
 
 class ResponseShards:
@@ -73,8 +76,13 @@ class ResponseShards:
 
 def _atomic_write(path: str, write) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
+    try:
+        with writing(path), open(tmp, "wb") as f:
+            write(f)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..common.storage import usual_mode
+from ..common.storage import usual_mode, writing
 from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
 from ..data.prompts import encode_prompts, random_prompts
@@ -204,7 +204,13 @@ def save_eval_set(items: list[EvalItem], path: str) -> None:
         if it.final_LH is not None:
             t[f"{i}.final"] = it.final_LH.contiguous()
     tmp = f"{path}.tmp{os.getpid()}"
-    save_file(t, tmp)
+    try:
+        with writing(path):
+            save_file(t, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     usual_mode(tmp)
     os.replace(tmp, path)
 
