@@ -202,3 +202,57 @@ def test_full_disk_or_quota_names_the_path():
     assert quota.startswith("disk quota exceeded writing /tmp/x")
     assert storage_error(RuntimeError("CUDA out of memory"), "/tmp/x") is None
     assert storage_error(ValueError("bad"), "/tmp/x") is None
+
+
+@pytest.mark.parametrize(
+    "content,source,expect",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "jsonl", ":1: not UTF-8 text (byte 0x89 at column 1)"),
+        (b'{"prompt": "a"}\n{"prompt": "b\xe9"}\n', "jsonl", ":2: not UTF-8 text"),
+        (b'{"prompt": "a"}\n\x00\x01\x02\n', "jsonl", ":2: a NUL byte: a binary file"),
+        (b'{"prompt": "a"}\n{"prompt": oops}\n', "jsonl", ":2: not valid JSON"),
+        (b'{"text": "a"}\n', "jsonl", ":1: rows need a 'prompt' or 'messages' field"),
+        (b"\n\n", "jsonl", "hold no rows"),
+        (b'{"prompt": "a"}\n', "parquet", ": not a parquet file"),
+    ],
+)
+def test_prompt_files_are_read_and_checked_before_the_target_loads(
+    tmp_path, content, source, expect
+):
+    """preflight (train.py's checks before any model loads) reads every prompt row: on a 27B
+    target a bad line was found only after minutes of loading."""
+    from dflash.config import RunConfig
+    from dflash.run.preflight import check_run
+
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(content)
+    cfg = RunConfig(data=DataConfig(source=source, paths=[str(f)]))
+    cfg.target.check_memory = False
+    with pytest.raises(ValueError) as e:
+        check_run(cfg)
+    assert str(f) in str(e.value) and expect in str(e.value) and "\n" not in str(e.value)
+
+
+def test_eval_prompt_files_are_checked_before_the_target_loads(tmp_path):
+    from dflash.config import EvalConfig, RunConfig
+    from dflash.run.preflight import check_run
+
+    good, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    good.write_text('{"prompt": "a"}\n')
+    bad.write_text('{"prompt": "b"}\n{"prompt": 3}\n')
+    cfg = RunConfig(
+        data=DataConfig(source="jsonl", paths=[str(good)]), eval=EvalConfig(paths=[str(bad)])
+    )
+    cfg.target.check_memory = False
+    with pytest.raises(ValueError, match=f"{bad}:2: 'prompt' must be a string"):
+        check_run(cfg)
+
+
+def test_empty_prompts_are_counted_and_skipped_in_one_line(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text(
+        '{"prompt": ""}\n{"prompt": "a"}\n{"prompt": "  \\n"}\n'
+        '{"messages": [{"role": "user", "content": " "}]}\n{"prompt": "b"}\n'
+    )
+    assert text_prompts(DataConfig(source="jsonl", paths=[str(f)])) == ["a", "b"]
+    assert capsys.readouterr().out == f"data: 3 empty prompts in {f} skipped\n"

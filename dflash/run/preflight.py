@@ -7,6 +7,7 @@ instead of after minutes of loading (a random 27B target on a CPU box was OOM-ki
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -73,6 +74,27 @@ def check_files(cfg: RunConfig) -> None:
         for p in paths:
             if not glob.glob(os.path.expanduser(p)):
                 raise FileNotFoundError(f"{key}: {p!r} does not exist (no file matches it)")
+    check_prompt_files(cfg)
+
+
+def check_prompt_files(cfg: RunConfig) -> None:
+    """Read and check every prompt row now (bad JSON, a binary file, wrong fields, a parquet
+    source that is not parquet, no rows at all): minutes before the target would have loaded.
+    The run reuses this read (dflash.data.files)."""
+    from ..data.files import text_prompts
+
+    if cfg.data.source in ("jsonl", "parquet"):
+        text_prompts(cfg.data)
+    source = cfg.eval.source or cfg.data.source
+    if cfg.eval.enabled and cfg.eval.paths and source in ("jsonl", "parquet"):
+        text_prompts(
+            dataclasses.replace(
+                cfg.data,
+                source=source,
+                paths=list(cfg.eval.paths),
+                num_samples=cfg.eval.num_prompts,
+            )
+        )
 
 
 def check_target_resources(tcfg: TargetConfig, device: str | None = None) -> None:
