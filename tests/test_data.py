@@ -543,3 +543,21 @@ def test_eval_set_cache_is_shared_across_data_cache_dirs(tmp_path, tiny_llama):
         assert [torch.equal(x.aux_TF, y.aux_TF) for x, y in zip(a, b)] == [True, True]
     (cache,) = [f for f in os.listdir(tmp_path) if f.startswith("eval-")]
     assert os.stat(tmp_path / cache).st_mode & 0o044 == 0o044  # readable by group and others
+
+
+def test_regeneration_says_how_long_it_will_take_after_the_first_batch(tiny_llama, monkeypatch):
+    """A first try with sizes meant for a large target must not look hung: after the first
+    batch a line gives the rate's estimate of the rest, then one every few minutes."""
+    import dflash.data.dataset as data_mod
+
+    prompts = random_prompts(10, 4, tiny_llama.vocab_size, [tiny_llama.mask_token_id], seed=1)
+    clock = iter(range(0, 10000, 10))  # each read of the clock: 10 s later
+    monkeypatch.setattr(data_mod.time, "perf_counter", lambda: float(next(clock)))
+    logs = []
+    generate_greedy(tiny_llama, prompts, 3, batch_size=3, log=logs.append)
+    eta = [m for m in logs if " to go at this rate" in m]
+    assert eta[0] == (
+        "regenerate: 3 of 10 prompts in 20 s; ~47 s to go at this rate (data.num_samples, "
+        "data.response_len and data.regen_batch_size set the work)"
+    ), logs
+    assert len(eta) == 1  # the next batches come within the next few minutes
