@@ -200,6 +200,49 @@ def test_ctrl_c_saves_prints_resume_command_and_it_continues_in_place(tmp_path):
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_00000060"))
 
 
+def test_sigterm_finishes_the_step_saves_and_prints_the_resume_command(tmp_path):
+    """Preemption (SLURM, scancel, Kubernetes) sends SIGTERM: like Ctrl-C, the step finishes,
+    is saved, and the resume line is printed; exit 143 (128 + SIGTERM)."""
+    args = [f"out_root={tmp_path}", "run_name=r", "train.steps=200", *TINY_RUN]
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    for line in p.stdout:
+        if line.startswith("step      3 |"):
+            p.send_signal(signal.SIGTERM)
+            break
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "SIGTERM: finishing the current step" in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("stopped by SIGTERM at step")]
+    step = int(re.match(r"stopped by SIGTERM at step (\d+); resume with: ", line).group(1))
+    assert 3 <= step < 200 and f"resume={tmp_path}/r" in line
+    assert (tmp_path / "r" / "checkpoints" / f"step_{step:08d}" / "train_state.pt").is_file()
+    assert line in (tmp_path / "r" / "train.log").read_text()
+
+
+def test_sigterm_outside_the_train_loop_stops_like_ctrl_c():
+    from dflash.common import interrupt
+
+    prev = {s: signal.getsignal(s) for s in interrupt.STOP_SIGNALS}
+    try:
+        interrupt.stop_at_once()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode
+        assert interrupt.stop_signal() == signal.SIGTERM
+        assert interrupt.exit_code(interrupt.stop_signal()) == 143
+    finally:
+        interrupt._received.clear()
+        for s, h in prev.items():
+            signal.signal(s, h)
+
+
 def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
     from dflash.config import RunConfig
     from dflash.eval.cli import eval_dir

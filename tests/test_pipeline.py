@@ -589,3 +589,38 @@ def test_colocated_two_ranks_zero3_is_ddp_up_to_adam_eps(split_ref, root):
 def _master(job: Job, step: int) -> dict:
     path = job.run_dir / "checkpoints" / f"step_{step:08d}" / "train_state.pt"
     return torch.load(path, weights_only=False)["drafter_fp32"]
+
+
+@pytest.mark.slow
+def test_split_sigterm_saves_the_step_and_every_rank_exits_143(root):
+    """Preemption sends SIGTERM to every rank: the trainers finish the step and save it, the
+    worker keeps producing until they have, and all exit 143 (128 + SIGTERM); trainer 0 prints
+    the resume line."""
+    import signal
+
+    run_name = f"split-term-{uuid.uuid4().hex[:6]}"
+    logs = root / "logs" / run_name
+    argv = [sys.executable, "-m", "dflash.tools.testing", "train.py", *BASE, *SPLIT_1W2T]
+    argv += [f"out_root={root / 'runs'}", f"run_name={run_name}", f"data.cache_dir={root / 'data'}"]
+    argv += ["train.steps=400", "train.log_every=1", "train.save_every=1000", "logger=console"]
+    procs = launch_local(argv, 3, env=ENV, cwd=str(REPO), log_dir=str(logs), run_id=run_name)
+    try:
+        deadline = time.monotonic() + 120
+        while "step      3 |" not in (logs / "rank1.out").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    errs = [(logs / f"rank{r}.err").read_text() for r in range(3)]
+    assert codes == [143, 143, 143], [e[-1500:] for e in errs]
+    (line,) = [ln for ln in errs[1].splitlines() if ln.startswith("stopped by SIGTERM at step")]
+    step = int(line.split("at step ")[1].split(";")[0])
+    assert 3 <= step < 400
+    ck = root / "runs" / run_name / "checkpoints" / f"step_{step:08d}" / "train_state.pt"
+    assert ck.is_file()
+    assert not any("pipeline stopped" in e or "Traceback" in e for e in errs), errs

@@ -3,8 +3,9 @@ the exit codes of every process.
 
 Exit codes: 0 done; 2 bad input (a config value, a missing file, an out_root that cannot be
 written: one `error: ...` line); 3 the pipeline stopped (a peer rank died or hung, or
-topology.on_bad_batch=stop); 130 interrupted; 1 anything else: a full disk or a file-size limit
-in one line naming what was being written, any other failure with its traceback.
+topology.on_bad_batch=stop); 130 / 143 stopped by Ctrl-C / SIGTERM (128 + the signal); 1
+anything else: a full disk or a file-size limit in one line naming what was being written, any
+other failure with its traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -26,7 +28,7 @@ from ..common.comm import (
     launcher_env,
     shutdown,
 )
-from ..common.interrupt import Interrupted
+from ..common.interrupt import Interrupted, exit_code, signal_name, stop_at_once, stop_signal
 from ..common.storage import storage_error
 from ..config import RunConfig
 from ..train.budget import start_clock_at_process_start
@@ -40,7 +42,6 @@ from .plan import RESUME_FILE, RunFinished, override_key, plan_run
 from .preflight import check_run
 
 EXIT_BAD_INPUT = 2
-EXIT_INTERRUPTED = 130
 
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|failed to pass monitoredBarrier"
@@ -54,6 +55,7 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
     a torch.distributed job. The run directory is made only after every check that needs no
     model passed, and removed again if the run fails before it started."""
     start_clock_at_process_start()  # train.time_budget_min counts from the process start
+    stop_at_once()  # SIGTERM before training: like Ctrl-C (the train loop finishes its step)
     try:
         rc = typed(cfg)
         rank, world, _ = launcher_env()
@@ -88,9 +90,9 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
     try:
         run_colocated(rc, run_dir.path)
     except Interrupted as e:
-        _finish(run_dir, True, resume_cmd.line(e), EXIT_INTERRUPTED)
+        _finish(run_dir, True, resume_cmd.line(e), exit_code(e.signum))
     except KeyboardInterrupt:
-        _finish(run_dir, False, resume_cmd.line(None), EXIT_INTERRUPTED)
+        _finish(run_dir, False, resume_cmd.line(None), exit_code(stop_signal()))
     except (ValueError, FileNotFoundError) as e:
         _finish(run_dir, False, f"error: {e}", EXIT_BAD_INPUT)
     except BaseException as e:
@@ -149,11 +151,17 @@ class ResumeCommand:
         os.replace(path + ".tmp", path)
 
     def line(self, e: Interrupted | None) -> str:
+        signum = e.signum if e is not None else stop_signal()
+        how = (
+            "interrupted"
+            if signum in (None, signal.SIGINT)
+            else f"stopped by {signal_name(signum)}"
+        )
         if e is None:
-            return f"interrupted before training started (nothing saved); start again with: {self.fresh}"
+            return f"{how} before training started (nothing saved); start again with: {self.fresh}"
         if e.checkpoint is None and not os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
-            return f"interrupted at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
-        return f"interrupted at step {e.step}; resume with: {self.resume}"
+            return f"{how} at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
+        return f"{how} at step {e.step}; resume with: {self.resume}"
 
 
 def run_distributed(
@@ -164,6 +172,7 @@ def run_distributed(
     too, so the job never hangs silently."""
     rank = launcher_env()[0]
     tag = f"[rank {rank}{'' if roles is None else ' ' + roles.role(rank)}]"
+    writer = rank == (0 if roles is None else roles.trainer_rank(0))  # says how to resume
     ok = False
     try:
         ctx = init_distributed(
@@ -184,11 +193,14 @@ def run_distributed(
             ) from None
         ok = True
     except Interrupted as e:
-        _finish(run_dir, True, resume_cmd.line(e) if rank == 0 else "", EXIT_INTERRUPTED, True)
+        msg = resume_cmd.line(e) if writer else ""  # a split worker stopped with the trainers
+        _finish(run_dir, True, msg, exit_code(e.signum), True)
     except KeyboardInterrupt:
-        msg = f"{tag} {resume_cmd.line(None)}" if rank == 0 else ""
-        _finish(run_dir, False, msg, EXIT_INTERRUPTED, hard=True)
+        msg = f"{tag} {resume_cmd.line(None)}" if writer else ""
+        _finish(run_dir, False, msg, exit_code(stop_signal()), hard=True)
     except (PeerError, BadBatchError) as e:
+        if stop_signal() is not None:  # asked to stop: the peers stopping too is no failure
+            _finish(run_dir, True, "", exit_code(stop_signal()), hard=True)
         _finish(run_dir, False, f"{tag} pipeline stopped: {e}", EXIT_PIPELINE, hard=True)
     except (ValueError, FileNotFoundError) as e:
         _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
@@ -208,6 +220,8 @@ def _die_of(e: BaseException, tag: str, ctx: RankContext, wait_for_receiver: boo
     deadline = time.monotonic() + (2.0 if wait_for_receiver else 0.0)
     while ctx.root_cause is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    if stop_signal() is not None and (ctx.root_cause is not None or _PEER_LOST.search(str(e))):
+        die("", exit_code(stop_signal()))  # asked to stop: the peers stopped too
     if ctx.root_cause is not None:
         die(f"{tag} pipeline stopped: {ctx.root_cause}", EXIT_PIPELINE)
     if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e)):
