@@ -561,3 +561,30 @@ def test_regeneration_says_how_long_it_will_take_after_the_first_batch(tiny_llam
         "data.response_len and data.regen_batch_size set the work)"
     ), logs
     assert len(eta) == 1  # the next batches come within the next few minutes
+
+
+def test_a_regeneration_killed_as_it_started_restarts_by_itself(tmp_path, tiny_llama):
+    """A kill between making `<cache>.partial/` and writing its key left a folder every later
+    start failed on (`[Errno 2] .../key`, with a shared data.cache_dir every run): it is
+    started over with a line; an unreadable shard is regenerated from there."""
+    prompts = random_prompts(6, 4, tiny_llama.vocab_size, [tiny_llama.mask_token_id], seed=2)
+    ref = generate_greedy(tiny_llama, prompts, 3, batch_size=2)
+    partial = tmp_path / "train-x.pt.partial"
+    partial.mkdir()
+    logs = []
+    out = generate_greedy(
+        tiny_llama, prompts, 3, batch_size=2, partial_path=str(partial), log=logs.append
+    )
+    assert out == ref and any("starting over" in m and "no key file" in m for m in logs), logs
+    shard = partial / "shard_000001.npz"
+    shard.write_bytes(b"PK\x03\x04 damaged")
+    logs.clear()
+    assert ResponseShards(str(partial)).load(None, logs.append) == ref_first_batch(ref, prompts, 2)
+    assert any("shard_000001.npz is unreadable" in m for m in logs) and not shard.exists()
+
+
+def ref_first_batch(ref, prompts, batch_size):
+    from dflash.data.dataset import _regen_order
+
+    order = _regen_order(prompts, batch_size, 0)
+    return [ref[j] for j in order[:batch_size]]

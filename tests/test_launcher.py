@@ -226,6 +226,35 @@ def test_sigterm_finishes_the_step_saves_and_prints_the_resume_command(tmp_path)
     assert line in (tmp_path / "r" / "train.log").read_text()
 
 
+def test_the_same_command_twice_is_refused_naming_the_live_run(tmp_path):
+    """Two processes in one run directory mixed silently (every metrics row twice, the other
+    run's weights in a step dir, a resume joining a live run): the second is refused in one
+    line naming the first."""
+    args = [f"out_root={tmp_path}", "run_name=r", "train.steps=100000", *TINY_RUN]
+    first = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
+    try:
+        for line in first.stdout:
+            if line.startswith("step      1 |"):
+                break
+        for again in ([*args, "train.lr=1e-4"], [*args, "resume=true"]):
+            r = _train(again)
+            assert re.fullmatch(
+                rf"error: run dir {tmp_path}/r is in use by a live run \(pid {first.pid} on "
+                r"host .*\): .*pick another run_name.*",
+                _error_line(r),
+            )
+    finally:
+        first.kill()
+        first.wait()
+
+
 def test_sigterm_outside_the_train_loop_stops_like_ctrl_c():
     from dflash.common import interrupt
 

@@ -13,6 +13,8 @@ import dataclasses
 import glob
 import json
 import os
+import re
+import shutil
 
 import torch
 
@@ -170,6 +172,61 @@ def keep_metrics_until(run_dir: str, step: int) -> None:
                 break
             keep = f.tell()
         f.truncate(keep)
+
+
+# what a process killed while writing leaves: a step directory or `latest` being saved, an old
+# step being replaced, a file written under a temporary name (run config, caches, shards)
+_LEFTOVER = re.compile(r"\.(step_\d+\.(tmp|old)|latest\.tmp)\d+|.+\.tmp\d*")
+
+
+def clean_leftovers(run_dir: str, fresh: bool) -> str | None:
+    """Remove what killed processes of this run left in its directory (the caller owns it, so
+    nothing there is being written): temporary files and folders of interrupted saves, and on a
+    fresh start the metrics of an earlier start that saved no checkpoint (they would be
+    duplicated). A shared data.cache_dir outside the run directory is left alone. Returns the
+    line that says what went, or None."""
+    gone = []
+
+    def drop(path: str, own: bool) -> None:
+        name = os.path.basename(path)
+        if _LEFTOVER.fullmatch(name) and (own or _writer_gone(name)):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            gone.append(os.path.relpath(path, run_dir))
+
+    for root in (run_dir, os.path.join(run_dir, "checkpoints")):
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            drop(os.path.join(root, name), own=True)
+    # another run may read and write this run's data dir (its data.cache_dir): there only what
+    # a process that is gone left
+    data = os.path.join(run_dir, "data")
+    for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
+        path = os.path.join(data, name)
+        if name.endswith(".partial") and os.path.isdir(path):  # a regeneration's shards
+            for part in sorted(os.listdir(path)):
+                drop(os.path.join(path, part), own=False)
+        else:
+            drop(path, own=False)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if fresh and os.path.isfile(metrics):
+        os.remove(metrics)
+        gone.append("metrics.jsonl (of an earlier start that saved no checkpoint)")
+    if not gone:
+        return None
+    return f"run dir: removed what an interrupted earlier start left: {', '.join(gone)}"
+
+
+def _writer_gone(name: str) -> bool:
+    """A `.tmpPID` file whose writer (a process of this host) no longer runs."""
+    m = re.search(r"\.tmp(\d+)$", name)
+    if not m:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def write_run_config(cfg: RunConfig, run_dir: str) -> None:

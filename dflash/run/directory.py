@@ -15,6 +15,8 @@ import os
 import shutil
 import sys
 
+from .lock import RunLock, describe
+
 
 class _Tee:
     """A text stream that writes to the console stream and to the log file. Carriage-return
@@ -54,24 +56,49 @@ class _Tee:
 
 
 class RunDir:
-    """`open()` makes the directory and starts the log; `close(ok)` stops the log and, after a
-    failure, removes a directory this command made for a run that never started (a run has
-    started once it wrote run_config.json: resumed or fresh, right before its first step)."""
+    """`own()` makes the directory and takes its lock (one live run per directory); `open()`
+    starts the log; `close(ok)` stops the log, releases the lock and, after a failure, removes a
+    directory this command made for a run that never started (a run has started once it wrote
+    run_config.json: resumed or fresh, right before its first step)."""
 
-    def __init__(self, path: str, log_name: str, writer: bool = True):
+    def __init__(self, path: str, log_name: str, writer: bool = True, logs: bool | None = None):
+        """writer: this process makes (and may remove) the directory; logs: it writes its console
+        to the log file (default: the writer)."""
         self.path, self.log_name, self.writer = path, log_name, writer
+        self.logs = writer if logs is None else logs
         self.made = False
         self._made_top: str | None = None  # the outermost folder open() made (out_root, ...)
         self._log = None
         self._saved: tuple | None = None
+        self._lock: RunLock | None = None
+
+    def own(self) -> str | None:
+        """Make the directory and take its lock (rank 0, before anything is written there); the
+        line that refuses the start when a live run owns it (see dflash.run.lock)."""
+        self._make()
+        self._lock = RunLock(self.path)
+        refused = self._lock.acquire()
+        if refused:  # the directory is the live run's: nothing here is removed
+            self._lock, self.made, self._made_top = None, False, None
+        return refused
+
+    def _make(self) -> None:
+        if self._made_top is None and not self.made:
+            self.made = not os.path.exists(self.path)
+            self._made_top = _first_missing(self.path)
+        os.makedirs(self.path, exist_ok=True)
+
+    def taken_over(self) -> str | None:
+        """The line saying whose lock this run took over (a run that died holding it)."""
+        prev = self._lock.previous if self._lock is not None else None
+        if not prev:
+            return None
+        return f"run dir: taking it over from a run that is gone ({describe(prev)})"
 
     def open(self) -> RunDir:
-        if not self.writer:  # rank 0 makes (and may remove) the directory
-            return self
-        self.made = not os.path.exists(self.path)
-        self._made_top = _first_missing(self.path)
-        os.makedirs(self.path, exist_ok=True)
-        if self.writer:
+        if self.writer:  # rank 0 makes (and may remove) the directory
+            self._make()
+        if self.logs and self._saved is None:
             self._log = open(os.path.join(self.path, self.log_name), "a", buffering=1)
             self._saved = (sys.stdout, sys.stderr)
             sys.stdout = _Tee(sys.stdout, self._log)
@@ -100,6 +127,9 @@ class RunDir:
         if not ok and self.made and not started:
             shutil.rmtree(self.path, ignore_errors=True)
             _remove_empty_parents(self.path, self._made_top)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @staticmethod
     def _retarget_handlers(old: tuple, new: tuple) -> None:

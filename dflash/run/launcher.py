@@ -13,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shlex
-import signal
 import sys
 import time
 import traceback
@@ -28,7 +26,8 @@ from ..common.comm import (
     launcher_env,
     shutdown,
 )
-from ..common.interrupt import Interrupted, exit_code, signal_name, stop_at_once, stop_signal
+from ..common.interrupt import Interrupted, exit_code, stop_at_once, stop_signal
+from ..common.layout import clean_leftovers
 from ..common.storage import storage_error
 from ..config import RunConfig
 from ..train.budget import start_clock_at_process_start
@@ -38,7 +37,8 @@ from ..train.split.run import run_split
 from ..train.split.schedule import Roles
 from .cli import names_run, typed
 from .directory import RunDir
-from .plan import RESUME_FILE, RunFinished, override_key, plan_run
+from .lock import live_owner
+from .plan import ResumeCommand, RunFinished, plan_run
 from .preflight import check_run
 
 EXIT_BAD_INPUT = 2
@@ -62,9 +62,14 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
         distributed = rc.topology.mode == "split" or world > 1
         roles = Roles.from_topology(rc.topology, world) if distributed else None
         check_run(rc)
+        if refused := live_owner(os.path.join(rc.out_root, rc.run_name)):
+            raise ValueError(refused)  # before plan_run's own refusals: the owner is the news
         plan = plan_run(rc, os.path.join(rc.out_root, rc.run_name), named=names_run(cfg))
         rc = dataclasses.replace(rc, resume=plan.ckpt)
-        run_dir = RunDir(plan.run_dir, "train.log", writer=rank == 0)
+        # rank 0 owns the directory; in a split run the first trainer (the one that logs the
+        # training) writes its lines to train.log too
+        logs = rank == (0 if roles is None else roles.trainer_rank(0))
+        run_dir = RunDir(plan.run_dir, "train.log", writer=rank == 0, logs=rank == 0 or logs)
     except RunFinished as e:
         print(e, flush=True)
         return
@@ -72,21 +77,13 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     resume_cmd = ResumeCommand(overrides or [], rc, run_dir.path, world)
-    try:
-        run_dir.open()
-        if rank == 0:
-            resume_cmd.save()
-    except OSError as e:
-        line = storage_error(e, e.filename or run_dir.path)
-        run_dir.close(ok=False)
-        print(
-            f"error: {line or f'cannot write the run directory {run_dir.path}: {e}'}",
-            file=sys.stderr,
-        )
-        sys.exit(EXIT_BAD_INPUT)
     if distributed:
-        run_distributed(rc, run_dir, roles, resume_cmd)
+        run_distributed(rc, run_dir, roles, resume_cmd, fresh=plan.ckpt is None)
         return
+    refused = _take(run_dir, resume_cmd, fresh=plan.ckpt is None)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
     try:
         run_colocated(rc, run_dir.path)
     except Interrupted as e:
@@ -103,6 +100,27 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
         run_dir.close(ok=False)
         raise
     run_dir.close(ok=True)
+
+
+def _take(run_dir: RunDir, resume_cmd: ResumeCommand, fresh: bool) -> str | None:
+    """Rank 0: own the run directory (one live run per directory), start its log, save the
+    resume command and clean what a killed process of this run left. The line that refuses the
+    start, or None."""
+    try:
+        refused = run_dir.own()
+        if refused:
+            return refused
+        run_dir.open()
+        if line := run_dir.taken_over():
+            print(line, flush=True)
+        resume_cmd.save()
+        if line := clean_leftovers(run_dir.path, fresh):
+            print(line, flush=True)
+    except OSError as e:
+        line = storage_error(e, e.filename or run_dir.path)
+        run_dir.close(ok=False)
+        return line or f"cannot write the run directory {run_dir.path}: {e}"
+    return None
 
 
 def _storage_line(e: BaseException, run_dir: str) -> str | None:
@@ -129,43 +147,8 @@ def _finish(run_dir: RunDir, ok: bool, msg: str, code: int, hard: bool = False) 
     sys.exit(code)
 
 
-class ResumeCommand:
-    """The one line printed on Ctrl-C: `resume=RUN_DIR` continues in the same run directory
-    (RUN_DIR resolves to its latest checkpoint)."""
-
-    def __init__(self, overrides: list[str], cfg: RunConfig, run_dir: str, world: int):
-        drop = ("resume", "run_name")
-        keep = [o for o in overrides if override_key(o) not in drop]
-        prog = "python train.py" if world == 1 else f"torchrun --nproc-per-node {world} train.py"
-        self.fresh = " ".join([prog, *map(shlex.quote, keep)])
-        # resume=RUN_DIR alone continues in that directory (rundir.plan_run); a run_name here
-        # would name a directory to continue in instead
-        self.resume = " ".join([self.fresh, shlex.quote(f"resume={run_dir}")])
-        self.run_dir = run_dir
-
-    def save(self) -> None:
-        """RUN_DIR/resume_command: what a resume that changes a key of the run points to."""
-        path = os.path.join(self.run_dir, RESUME_FILE)
-        with open(path + ".tmp", "w") as f:
-            f.write(self.resume + "\n")
-        os.replace(path + ".tmp", path)
-
-    def line(self, e: Interrupted | None) -> str:
-        signum = e.signum if e is not None else stop_signal()
-        how = (
-            "interrupted"
-            if signum in (None, signal.SIGINT)
-            else f"stopped by {signal_name(signum)}"
-        )
-        if e is None:
-            return f"{how} before training started (nothing saved); start again with: {self.fresh}"
-        if e.checkpoint is None and not os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
-            return f"{how} at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
-        return f"{how} at step {e.step}; resume with: {self.resume}"
-
-
 def run_distributed(
-    cfg: RunConfig, run_dir: RunDir, roles: Roles | None, resume_cmd: ResumeCommand
+    cfg: RunConfig, run_dir: RunDir, roles: Roles | None, resume_cmd: ResumeCommand, fresh: bool
 ) -> None:
     """One rank of the job (roles None: colocated data parallel). Any failure ends this process
     with a message naming the rank; peers notice (gloo at once, NCCL via the deadlines) and exit
@@ -179,7 +162,12 @@ def run_distributed(
             cfg.topology.backend, cfg.topology.timeout_s, cfg.topology.startup_timeout_s
         )
     except (ValueError, FileNotFoundError) as e:
-        _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
+        die(f"{tag} error: {e}", EXIT_BAD_INPUT)
+    # rank 0 owns the directory; every rank learns whether the start is refused
+    refused = ctx.broadcast_object(_take(run_dir, resume_cmd, fresh) if rank == 0 else None, 0)
+    if refused:
+        die(f"error: {refused}" if rank == 0 else "", EXIT_BAD_INPUT)
+    run_dir.open()  # the split run's first trainer logs to train.log too
     try:
         if roles is None:
             run_colocated(cfg, run_dir.path, ctx=ctx)

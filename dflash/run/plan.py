@@ -15,8 +15,10 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 from dataclasses import dataclass
 
+from ..common.interrupt import Interrupted, signal_name, stop_signal
 from ..common.layout import (
     _checkpoint_or_none,
     checkpoint_step,
@@ -204,3 +206,38 @@ def check_same_run(
                 f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "
                 f"would change the {what} of the run being continued; {how}"
             )
+
+
+class ResumeCommand:
+    """The one line printed on Ctrl-C: `resume=RUN_DIR` continues in the same run directory
+    (RUN_DIR resolves to its latest checkpoint)."""
+
+    def __init__(self, overrides: list[str], cfg: RunConfig, run_dir: str, world: int):
+        drop = ("resume", "run_name")
+        keep = [o for o in overrides if override_key(o) not in drop]
+        prog = "python train.py" if world == 1 else f"torchrun --nproc-per-node {world} train.py"
+        self.fresh = " ".join([prog, *map(shlex.quote, keep)])
+        # resume=RUN_DIR alone continues in that directory (rundir.plan_run); a run_name here
+        # would name a directory to continue in instead
+        self.resume = " ".join([self.fresh, shlex.quote(f"resume={run_dir}")])
+        self.run_dir = run_dir
+
+    def save(self) -> None:
+        """RUN_DIR/resume_command: what a resume that changes a key of the run points to."""
+        path = os.path.join(self.run_dir, RESUME_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(self.resume + "\n")
+        os.replace(path + ".tmp", path)
+
+    def line(self, e: Interrupted | None) -> str:
+        signum = e.signum if e is not None else stop_signal()
+        how = (
+            "interrupted"
+            if signum in (None, signal.SIGINT)
+            else f"stopped by {signal_name(signum)}"
+        )
+        if e is None:
+            return f"{how} before training started (nothing saved); start again with: {self.fresh}"
+        if e.checkpoint is None and not os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
+            return f"{how} at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
+        return f"{how} at step {e.step}; resume with: {self.resume}"
