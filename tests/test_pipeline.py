@@ -347,6 +347,46 @@ def test_wait_for_deadline_names_the_peer(backend):
         )
 
 
+def test_liveness_names_the_silent_rank_not_the_one_waiting_on_it(monkeypatch):
+    """Three ranks' heartbeats in one store: rank 2 stops beating (SIGSTOP, kill -9) and the
+    watchdogs of the others name it within timeout_s; a rank that left an exit note is not
+    silent; an on-demand question after a failed wait names the silent rank."""
+    import threading
+
+    import torch.distributed as dist
+
+    from dflash.common.liveness import Liveness
+    from dflash.tools.testing import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    role = {0: "worker", 1: "trainer", 2: "trainer", 3: "trainer"}
+    said, heard = {}, threading.Event()
+
+    def on_silent(rank):
+        def call(line):  # the launcher's: die(), which leaves an exit note
+            said[rank] = line
+            ranks[rank].stop(line)
+            heard.set()
+
+        return call
+
+    ranks = [Liveness(r, 4, 2.0, lambda r: f"rank {r} ({role[r]})") for r in range(4)]
+    for r, live in enumerate(ranks):
+        live.start(on_silent(r))
+    ranks[3].stop("[rank 3 trainer] error: a bad config")  # exits with a note: not silent
+    time.sleep(1.0)
+    assert not said
+    ranks[2]._stop.set()  # stopped: no beat, no note
+    assert heard.wait(10.0)
+    time.sleep(1.0)
+    assert said[0].startswith("rank 2 (trainer) is silent: no sign of life for 2 s"), said
+    assert set(said) <= {0, 1} and all("rank 3" not in v for v in said.values())
+    assert ranks[1].explain().startswith("rank 2 (trainer) is silent")
+
+
 def test_outbox_keeps_at_most_window_in_flight(monkeypatch):
     """isend never blocks; the (window+1)-th message first waits for the oldest one."""
     from dflash.common import comm as ddist
@@ -624,3 +664,29 @@ def test_split_sigterm_saves_the_step_and_every_rank_exits_143(root):
     ck = root / "runs" / run_name / "checkpoints" / f"step_{step:08d}" / "train_state.pt"
     assert ck.is_file()
     assert not any("pipeline stopped" in e or "Traceback" in e for e in errs), errs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stop", "die"])
+def test_a_stopped_or_dead_trainer_is_named_by_every_other_rank(root, kind):
+    """Trainer rank 2 stops (SIGSTOP) or dies (SIGKILL) on receiving step 3. The other trainer
+    waited in the DDP all-reduce for over 480 s and the worker blamed trainer rank 1 (alive,
+    waiting on rank 2); now every other rank ends within topology.timeout_s naming rank 2, and
+    the trainers' lines are in train.log."""
+    job = run_job(
+        root,
+        f"split-trainer-{kind}",
+        3,
+        SPLIT_1W2T + ["topology.timeout_s=5", "logger=console"],
+        env={"DFLASH_FAULT": f"{kind}@2:3"},
+        timeout=150,
+        until=[0, 1],
+    )
+    for r in (0, 1):
+        assert job.codes[r] == 3 and job.exit_times[r] is not None, job.err(r)[-2000:]
+        (line,) = [ln for ln in job.err(r).splitlines() if "pipeline stopped" in ln]
+        assert line.split("pipeline stopped: ")[1].startswith("rank 2 (trainer) is silent"), line
+        assert "rank 1 " not in line.split("pipeline stopped: ")[1].split(";")[0], line
+    log = (job.run_dir / "train.log").read_text()
+    assert "[worker rank 0]" in log and "drafter: " in log  # the first trainer's lines
+    assert "[rank 1 trainer] pipeline stopped: rank 2 (trainer) is silent" in log, log[-2000:]

@@ -106,6 +106,17 @@ class RunDir:
             self._retarget_handlers(self._saved, (sys.stdout, sys.stderr))
         return self
 
+    def note(self, line: str) -> None:
+        """A rank that does not log (another trainer, a worker) still leaves its last line in the
+        log, so that the log says why every rank stopped."""
+        if self.logs or not line or not os.path.isdir(self.path):
+            return
+        try:
+            with open(os.path.join(self.path, self.log_name), "a") as f:
+                f.write(line.rstrip() + "\n")
+        except OSError:
+            pass
+
     def log_only(self, text: str) -> None:
         """To the log file, not the console (a traceback Python prints to the console itself)."""
         if self._saved is not None and isinstance(sys.stderr, _Tee):

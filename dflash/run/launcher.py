@@ -21,6 +21,7 @@ from ..common.comm import (
     EXIT_PIPELINE,
     PeerError,
     RankContext,
+    at_die,
     die,
     init_distributed,
     launcher_env,
@@ -28,6 +29,7 @@ from ..common.comm import (
 )
 from ..common.interrupt import Interrupted, exit_code, stop_at_once, stop_signal
 from ..common.layout import clean_leftovers
+from ..common.liveness import Liveness
 from ..common.storage import storage_error
 from ..config import RunConfig
 from ..train.budget import start_clock_at_process_start
@@ -46,6 +48,7 @@ EXIT_BAD_INPUT = 2
 _PEER_LOST = re.compile(
     r"Connection closed by peer|Connection reset by peer|failed to pass monitoredBarrier"
 )
+_TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
 
 
 def launch(cfg, overrides: list[str] | None = None) -> None:
@@ -141,6 +144,7 @@ def _finish(run_dir: RunDir, ok: bool, msg: str, code: int, hard: bool = False) 
     that failed is removed) and the process exits; `hard`: without teardown (see comm.die)."""
     if msg:
         print(msg, file=sys.stderr, flush=True)
+        run_dir.note(msg)
     run_dir.close(ok)
     if hard:
         die("", code)
@@ -163,6 +167,7 @@ def run_distributed(
         )
     except (ValueError, FileNotFoundError) as e:
         die(f"{tag} error: {e}", EXIT_BAD_INPUT)
+    ctx.liveness = _watch(ctx, roles, tag, run_dir)
     # rank 0 owns the directory; every rank learns whether the start is refused
     refused = ctx.broadcast_object(_take(run_dir, resume_cmd, fresh) if rank == 0 else None, 0)
     if refused:
@@ -189,37 +194,66 @@ def run_distributed(
     except (PeerError, BadBatchError) as e:
         if stop_signal() is not None:  # asked to stop: the peers stopping too is no failure
             _finish(run_dir, True, "", exit_code(stop_signal()), hard=True)
-        _finish(run_dir, False, f"{tag} pipeline stopped: {e}", EXIT_PIPELINE, hard=True)
+        why = ctx.explain(e) if isinstance(e, PeerError) else str(e)
+        _finish(run_dir, False, f"{tag} pipeline stopped: {why}", EXIT_PIPELINE, hard=True)
     except (ValueError, FileNotFoundError) as e:
         _finish(run_dir, False, f"{tag} error: {e}", EXIT_BAD_INPUT, hard=True)
     except BaseException as e:  # noqa: BLE001 - any other failure must still end the process
         line = _storage_line(e, run_dir.path)
         if line:
             _finish(run_dir, False, f"{tag} error: {line}", 1, hard=True)
-        run_dir.close(ok=False)
-        _die_of(e, tag, ctx, wait_for_receiver=roles is not None)
+        msg, code = _cause(e, tag, ctx, wait_for_receiver=roles is not None)
+        _finish(run_dir, False, msg, code, hard=True)  # the line reaches train.log too
+    if ctx.liveness is not None:
+        ctx.liveness.stop()
     run_dir.close(ok=ok)
     shutdown()
 
 
-def _die_of(e: BaseException, tag: str, ctx: RankContext, wait_for_receiver: bool) -> None:
+def _watch(ctx: RankContext, roles: Roles | None, tag: str, run_dir: RunDir) -> Liveness | None:
+    """This rank's heartbeat and the watchdog that ends it, naming the peer, once a peer has
+    been silent for topology.timeout_s (dflash.common.liveness)."""
+
+    def name(r: int) -> str:
+        return f"rank {r}" + (f" ({roles.role(r)})" if roles is not None else "")
+
+    try:
+        live = Liveness(ctx.rank, ctx.world, ctx.timeout_s, name)
+    except Exception:  # noqa: BLE001 - no store to reach: the message deadlines still name peers
+        return None
+    at_die(lambda line, code: live.stop(line))
+
+    def silent_peer(line: str) -> None:  # from the watchdog's thread: leave at once
+        run_dir.note(f"{tag} pipeline stopped: {line}")
+        die(f"{tag} pipeline stopped: {line}", EXIT_PIPELINE)
+
+    return live.start(silent_peer)
+
+
+def _cause(e: BaseException, tag: str, ctx: RankContext, wait_for_receiver: bool) -> tuple:
+    """(last line, exit code) of a rank that failed outside the known errors."""
     # A collective among trainers breaks when a peer trainer stopped for a dead worker; give
     # this rank's receiver a moment to see the same root cause and report that instead.
     deadline = time.monotonic() + (2.0 if wait_for_receiver else 0.0)
     while ctx.root_cause is None and time.monotonic() < deadline:
         time.sleep(0.05)
     if stop_signal() is not None and (ctx.root_cause is not None or _PEER_LOST.search(str(e))):
-        die("", exit_code(stop_signal()))  # asked to stop: the peers stopped too
+        return "", exit_code(stop_signal())  # asked to stop: the peers stopped too
     if ctx.root_cause is not None:
-        die(f"{tag} pipeline stopped: {ctx.root_cause}", EXIT_PIPELINE)
-    if isinstance(e, RuntimeError) and _PEER_LOST.search(str(e)):
-        die(
-            f"{tag} pipeline stopped: a peer rank exited during a collective (the first rank to "
-            f"stop names the cause): {_first_line(e)}",
-            EXIT_PIPELINE,
-        )
+        return f"{tag} pipeline stopped: {ctx.explain(ctx.root_cause)}", EXIT_PIPELINE
+    lost = isinstance(e, RuntimeError) and _PEER_LOST.search(str(e))
+    if lost or isinstance(e, RuntimeError) and _TIMED_OUT.search(str(e)):
+        why = ctx.liveness.explain() if ctx.liveness is not None else None
+        if lost:
+            why = why or "a peer rank exited during a collective (the first to stop names why)"
+        else:
+            waited = ctx.collective_timeout.total_seconds()
+            why = f"a collective did not complete within {waited:g} s; " + (
+                why or "every rank is alive: one of them hangs outside the collective"
+            )
+        return f"{tag} pipeline stopped: {why}: {_first_line(e)}", EXIT_PIPELINE
     traceback.print_exc()
-    die(f"{tag} failed: {type(e).__name__}: {e}", 1)
+    return f"{tag} failed: {type(e).__name__}: {e}", 1
 
 
 def _first_line(e: BaseException) -> str:

@@ -102,7 +102,10 @@ class StreamedBatchSource:
             # The main thread raises it at its next next_batches(); if it is blocked elsewhere
             # (a collective with another trainer), end the process from here.
             time.sleep(min(5.0, topo.timeout_s))
-            die(f"[rank {ctx.rank} trainer] pipeline stopped: {self.error}", EXIT_PIPELINE)
+            die(
+                f"[rank {ctx.rank} trainer] pipeline stopped: {ctx.explain(self.error)}",
+                EXIT_PIPELINE,
+            )
 
     def _get(self):
         while True:
