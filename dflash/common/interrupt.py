@@ -41,18 +41,25 @@ def signal_name(signum: int | None) -> str:
     return signal.Signals(signum or signal.SIGINT).name
 
 
-def stop_at_once() -> None:
+def stop_at_once() -> dict:
     """Outside the train loop: SIGTERM ends the process as Ctrl-C does (a KeyboardInterrupt the
-    launcher turns into its one line and exit code), instead of killing it where it stands."""
+    launcher turns into its one line and exit code), instead of killing it where it stands.
+    Returns the handlers it replaced (for `restore`). A run starts here: earlier signals (of an
+    earlier run in this process) are forgotten."""
+    _received.clear()
     if threading.current_thread() is not threading.main_thread():
-        return
+        return {}
 
     def on_signal(signum, frame):
         _received.append(signum)
         raise KeyboardInterrupt
 
-    for s in STOP_SIGNALS:
-        signal.signal(s, on_signal)
+    return {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+
+
+def restore(handlers: dict) -> None:
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
 class StopRequest:

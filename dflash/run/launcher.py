@@ -27,7 +27,7 @@ from ..common.comm import (
     launcher_env,
     shutdown,
 )
-from ..common.interrupt import Interrupted, exit_code, stop_at_once, stop_signal
+from ..common.interrupt import Interrupted, exit_code, restore, stop_at_once, stop_signal
 from ..common.layout import clean_leftovers
 from ..common.liveness import Liveness
 from ..common.storage import storage_error
@@ -58,7 +58,14 @@ def launch(cfg, overrides: list[str] | None = None) -> None:
     a torch.distributed job. The run directory is made only after every check that needs no
     model passed, and removed again if the run fails before it started."""
     start_clock_at_process_start()  # train.time_budget_min counts from the process start
-    stop_at_once()  # SIGTERM before training: like Ctrl-C (the train loop finishes its step)
+    handlers = stop_at_once()  # SIGTERM before training: like Ctrl-C (the loop finishes a step)
+    try:
+        _launch(cfg, overrides)
+    finally:
+        restore(handlers)
+
+
+def _launch(cfg, overrides: list[str] | None) -> None:
     try:
         rc = typed(cfg)
         rank, world, _ = launcher_env()
