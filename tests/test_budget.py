@@ -44,6 +44,30 @@ def test_budget_clock_reserve_progress_and_resume():
     assert r.done()
 
 
+def test_a_resume_with_another_budget_continues_the_schedule_without_a_jump():
+    """`resume=RUN train.time_budget_min=25` on a 20-minute run: progress (and so the lr) goes on
+    from where the checkpoint had it and reaches the end when the new budget runs out."""
+    c = Clock(0.0)
+    b = TimeBudget(20.0, now=c)
+    b.start_training()
+    c.t = 600.0  # half of the 20 minutes
+    assert b.progress() == pytest.approx(0.5)
+    state = b.state_dict()
+    c2 = Clock(0.0)
+    r = TimeBudget(25.0, now=c2)
+    r.load_state_dict(state)
+    assert r.progress() == pytest.approx(0.5)  # the old code read 600/1500 = 0.4: an lr jump
+    c2.t = 450.0  # halfway through the 900 s the new budget leaves
+    assert r.progress() == pytest.approx(0.75)
+    c2.t = 900.0
+    assert r.done()
+    # saved again and resumed with the same budget: the same schedule
+    c2.t = 450.0
+    again = TimeBudget(25.0, now=Clock(0.0))
+    again.load_state_dict(r.state_dict())
+    assert again.progress() == pytest.approx(0.75)
+
+
 def test_budget_lr_warms_up_then_decays_to_min():
     assert budget_lr(0.0, 0.1, 0.0) == pytest.approx(1e-3)
     assert budget_lr(0.05, 0.1, 0.0) == pytest.approx(0.5)

@@ -58,6 +58,18 @@ def test_serving_format(tiny_qwen, tmp_path):
         assert torch.allclose(back.state_dict()[k], v.to(torch.bfloat16).float())
 
 
+def test_checkpoint_files_get_the_usual_permissions(tiny_qwen, tmp_path):
+    """safetensors writes 0600: a checkpoint (and the eval-set cache, also safetensors) would be
+    unreadable to the rest of a group; every file gets what open() gives (0644 under umask 022)."""
+    old = os.umask(0o022)
+    try:
+        p = save_checkpoint(str(tmp_path), 3, make_drafter(tiny_qwen), {"x": 1})
+    finally:
+        os.umask(old)
+    for name in os.listdir(p):
+        assert os.stat(os.path.join(p, name)).st_mode & 0o777 == 0o644, name
+
+
 def test_atomic_checkpoint_leaves_no_partial(tiny_qwen, tmp_path):
     d = make_drafter(tiny_qwen)
     p = save_checkpoint(str(tmp_path), 3, d, {"x": 1}, keep_last=1)
@@ -173,7 +185,7 @@ def test_eval_cli_real_decoding(trained_run, tmp_path):
         [
             sys.executable,
             "eval.py",
-            f"ckpt={run_dir / 'checkpoints' / 'step_00000020'}",
+            f"ckpt={run_dir / 'checkpoints' / 'latest'}",  # the README's form: a file
             f"out={out}",
             f"out_root={tmp_path}",
             f"eval_dir={tmp_path}/ev",

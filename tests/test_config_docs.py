@@ -30,3 +30,23 @@ def test_help_lists_groups_options_and_keys_with_descriptions():
     assert "schema" not in text
     assert "  tiny_qwen3_5           Tiny random Qwen3.5/3.6-style hybrid target" in text
     assert "train.save_on_interrupt" in text and "target.check_memory" in text
+
+
+def test_help_and_docs_show_what_the_default_job_runs():
+    """Not the schemas' defaults (steps 300, block 16, 1 layer, run_name `smoke`): the default
+    job's composed values, and what another option of a group sets."""
+    from dflash.run.help import render_help
+
+    text = render_help()
+    for key, shown in [
+        ("train.steps", "[default: 200; train=v5: 60000]"),
+        ("drafter.block_size", "[default: 8; drafter=qwen3_6_27b: 16]"),
+        ("drafter.num_layers", "[default: 2; drafter=qwen3_6_27b: 5]"),
+        ("run_name", "[default: smoke-<run id: a timestamp>]"),
+        ("data.response_len", "[default: 64; data=jsonl: 2048; data=stdlib: 128]"),
+    ]:
+        (line,) = [ln for ln in text.splitlines() if ln.startswith(f"  {key} ")]
+        assert line.endswith(shown), line
+    doc = render()
+    assert "| `train.steps` | `int` | `200` |" in doc and "`train=v5`: `60000` |" in doc
+    assert "| `drafter.block_size` | `int` | `8` |" in doc

@@ -69,6 +69,13 @@ def test_unknown_keys_name_the_closest(override, match):
         "resume=true",
         "hydra.verbose=true",
         "drafter.rope_scaling={rope_type: yarn}",
+        "train.lr=1e-3",
+        "train.steps=5",
+        "eval.enabled=false",
+        "train.time_budget_min=null",
+        "drafter.target_layer_ids=[1,2]",
+        "train.lr=${train.min_lr_ratio}",
+        "train.lr=1e-3,2e-3",  # a sweep (-m)
     ],
 )
 def test_valid_overrides_pass(override):
@@ -81,6 +88,9 @@ def test_valid_overrides_pass(override):
         (["+train.stpes=5"], "did you mean train.steps"),
         (["train.log_every=0"], "train.log_every"),
         (["resume=/nonexistent/run"], "no resumable checkpoint under '/nonexistent/run'"),
+        (["train.lr=abc"], "'train.lr=abc': train.lr takes a number, got 'abc'"),
+        (["train.steps=1.5"], "train.steps takes an integer, got '1.5'"),
+        (["eval.enabled=maybe"], "eval.enabled takes true or false, got 'maybe'"),
     ],
 )
 def test_bad_invocation_is_one_line_and_leaves_no_directory(tmp_path, args, match):
@@ -91,6 +101,21 @@ def test_bad_invocation_is_one_line_and_leaves_no_directory(tmp_path, args, matc
     assert not (tmp_path / "out").exists()
     assert set(os.listdir(ROOT)) == before  # no .hydra/, train.log or outputs/ in the cwd
     assert time.monotonic() - t0 < 60  # before any model loads (was ~20 s of loading + regen)
+
+
+def test_a_start_that_fails_leaves_no_empty_out_root_behind(tmp_path):
+    """A run that fails before it started removes its run dir and the folders it made for it
+    (out_root included), but never a folder that was there or holds something else."""
+    from dflash.run.directory import RunDir
+
+    rd = RunDir(str(tmp_path / "out" / "exp" / "run"), "train.log").open()
+    print("a line for the log")
+    rd.close(ok=False)
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "out" / "other").mkdir(parents=True)
+    rd = RunDir(str(tmp_path / "out" / "exp" / "run"), "train.log").open()
+    rd.close(ok=False)
+    assert os.listdir(tmp_path / "out") == ["other"]
 
 
 def test_target_too_big_for_memory_or_needing_cuda_is_refused(monkeypatch):
@@ -175,15 +200,89 @@ def test_ctrl_c_saves_prints_resume_command_and_it_continues_in_place(tmp_path):
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "step_00000060"))
 
 
+def test_sigterm_finishes_the_step_saves_and_prints_the_resume_command(tmp_path):
+    """Preemption (SLURM, scancel, Kubernetes) sends SIGTERM: like Ctrl-C, the step finishes,
+    is saved, and the resume line is printed; exit 143 (128 + SIGTERM)."""
+    args = [f"out_root={tmp_path}", "run_name=r", "train.steps=200", *TINY_RUN]
+    p = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
+    for line in p.stdout:
+        if line.startswith("step      3 |"):
+            p.send_signal(signal.SIGTERM)
+            break
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "SIGTERM: finishing the current step" in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("stopped by SIGTERM at step")]
+    step = int(re.match(r"stopped by SIGTERM at step (\d+); resume with: ", line).group(1))
+    assert 3 <= step < 200 and f"resume={tmp_path}/r" in line
+    assert (tmp_path / "r" / "checkpoints" / f"step_{step:08d}" / "train_state.pt").is_file()
+    assert line in (tmp_path / "r" / "train.log").read_text()
+
+
+def test_the_same_command_twice_is_refused_naming_the_live_run(tmp_path):
+    """Two processes in one run directory mixed silently (every metrics row twice, the other
+    run's weights in a step dir, a resume joining a live run): the second is refused in one
+    line naming the first."""
+    args = [f"out_root={tmp_path}", "run_name=r", "train.steps=100000", *TINY_RUN]
+    first = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
+    try:
+        for line in first.stdout:
+            if line.startswith("step      1 |"):
+                break
+        for again in ([*args, "train.lr=1e-4"], [*args, "resume=true"]):
+            r = _train(again)
+            assert re.fullmatch(
+                rf"error: run dir {tmp_path}/r is in use by a live run \(pid {first.pid} on "
+                r"host .*\): .*pick another run_name.*",
+                _error_line(r),
+            )
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_sigterm_outside_the_train_loop_stops_like_ctrl_c():
+    from dflash.common import interrupt
+
+    prev = {s: signal.getsignal(s) for s in interrupt.STOP_SIGNALS}
+    try:
+        interrupt.stop_at_once()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode
+        assert interrupt.stop_signal() == signal.SIGTERM
+        assert interrupt.exit_code(interrupt.stop_signal()) == 143
+    finally:
+        interrupt._received.clear()
+        for s, h in prev.items():
+            signal.signal(s, h)
+
+
 def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
     from dflash.config import RunConfig
     from dflash.eval.cli import eval_dir
 
     ck = tmp_path / "smoke-1" / "checkpoints" / "step_00000300"
     ck.mkdir(parents=True)
+    (ck / "config.json").write_text("{}")
     assert eval_dir(RunConfig(ckpt=str(ck))) == os.path.join("evals", "smoke-1-step_00000300")
     pub = tmp_path / "Qwen3.6-27B-DFlash"
     pub.mkdir()
+    (pub / "model.safetensors").write_text("")
     assert eval_dir(RunConfig(ckpt=str(pub))) == os.path.join("evals", "Qwen3.6-27B-DFlash")
     before = set(os.listdir(ROOT))
     r = subprocess.run(
@@ -196,6 +295,28 @@ def test_eval_writes_to_its_own_dir_named_after_the_checkpoint(tmp_path):
     )
     assert "is not a directory" in _error_line(r)
     assert set(os.listdir(ROOT)) == before
+
+
+def test_eval_ckpt_may_name_a_run_dir_its_latest_file_or_a_step_dir(tmp_path):
+    """The README's `eval.py ckpt=outputs/NAME/checkpoints/latest` (a file), a run directory
+    (its newest checkpoint) and a step directory all name the same drafter."""
+    from dflash.config import RunConfig
+    from dflash.eval.cli import eval_dir
+
+    run = tmp_path / "smoke-1"
+    for step in (100, 200):
+        (run / "checkpoints" / f"step_{step:08d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:08d}" / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step_00000200\n")
+    want = os.path.join("evals", "smoke-1-step_00000200")
+    for ck in (run, run / "checkpoints", run / "checkpoints" / "latest"):
+        assert eval_dir(RunConfig(ckpt=str(ck))) == want, ck
+    (run / "checkpoints" / "latest").unlink()  # lost: the newest step
+    assert eval_dir(RunConfig(ckpt=str(run))) == want
+    step = run / "checkpoints" / "step_00000100"
+    assert eval_dir(RunConfig(ckpt=str(step))) == os.path.join("evals", "smoke-1-step_00000100")
+    with pytest.raises(FileNotFoundError, match="holds no drafter.*a run directory"):
+        eval_dir(RunConfig(ckpt=str(tmp_path)))
 
 
 def test_parity_refuses_a_cuda_setting_without_cuda_at_once(monkeypatch, capsys):

@@ -347,6 +347,46 @@ def test_wait_for_deadline_names_the_peer(backend):
         )
 
 
+def test_liveness_names_the_silent_rank_not_the_one_waiting_on_it(monkeypatch):
+    """Three ranks' heartbeats in one store: rank 2 stops beating (SIGSTOP, kill -9) and the
+    watchdogs of the others name it within timeout_s; a rank that left an exit note is not
+    silent; an on-demand question after a failed wait names the silent rank."""
+    import threading
+
+    import torch.distributed as dist
+
+    from dflash.common.liveness import Liveness
+    from dflash.tools.testing import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    role = {0: "worker", 1: "trainer", 2: "trainer", 3: "trainer"}
+    said, heard = {}, threading.Event()
+
+    def on_silent(rank):
+        def call(line):  # the launcher's: die(), which leaves an exit note
+            said[rank] = line
+            ranks[rank].stop(line)
+            heard.set()
+
+        return call
+
+    ranks = [Liveness(r, 4, 2.0, lambda r: f"rank {r} ({role[r]})") for r in range(4)]
+    for r, live in enumerate(ranks):
+        live.start(on_silent(r))
+    ranks[3].stop("[rank 3 trainer] error: a bad config")  # exits with a note: not silent
+    time.sleep(1.0)
+    assert not said
+    ranks[2]._stop.set()  # stopped: no beat, no note
+    assert heard.wait(10.0)
+    time.sleep(1.0)
+    assert said[0].startswith("rank 2 (trainer) is silent: no sign of life for 2 s"), said
+    assert set(said) <= {0, 1} and all("rank 3" not in v for v in said.values())
+    assert ranks[1].explain().startswith("rank 2 (trainer) is silent")
+
+
 def test_outbox_keeps_at_most_window_in_flight(monkeypatch):
     """isend never blocks; the (window+1)-th message first waits for the oldest one."""
     from dflash.common import comm as ddist
@@ -589,3 +629,64 @@ def test_colocated_two_ranks_zero3_is_ddp_up_to_adam_eps(split_ref, root):
 def _master(job: Job, step: int) -> dict:
     path = job.run_dir / "checkpoints" / f"step_{step:08d}" / "train_state.pt"
     return torch.load(path, weights_only=False)["drafter_fp32"]
+
+
+@pytest.mark.slow
+def test_split_sigterm_saves_the_step_and_every_rank_exits_143(root):
+    """Preemption sends SIGTERM to every rank: the trainers finish the step and save it, the
+    worker keeps producing until they have, and all exit 143 (128 + SIGTERM); trainer 0 prints
+    the resume line."""
+    import signal
+
+    run_name = f"split-term-{uuid.uuid4().hex[:6]}"
+    logs = root / "logs" / run_name
+    argv = [sys.executable, "-m", "dflash.tools.testing", "train.py", *BASE, *SPLIT_1W2T]
+    argv += [f"out_root={root / 'runs'}", f"run_name={run_name}", f"data.cache_dir={root / 'data'}"]
+    argv += ["train.steps=400", "train.log_every=1", "train.save_every=1000", "logger=console"]
+    procs = launch_local(argv, 3, env=ENV, cwd=str(REPO), log_dir=str(logs), run_id=run_name)
+    try:
+        deadline = time.monotonic() + 120
+        while "step      3 |" not in (logs / "rank1.out").read_text():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.1)
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    errs = [(logs / f"rank{r}.err").read_text() for r in range(3)]
+    assert codes == [143, 143, 143], [e[-1500:] for e in errs]
+    (line,) = [ln for ln in errs[1].splitlines() if ln.startswith("stopped by SIGTERM at step")]
+    step = int(line.split("at step ")[1].split(";")[0])
+    assert 3 <= step < 400
+    ck = root / "runs" / run_name / "checkpoints" / f"step_{step:08d}" / "train_state.pt"
+    assert ck.is_file()
+    assert not any("pipeline stopped" in e or "Traceback" in e for e in errs), errs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["stop", "die"])
+def test_a_stopped_or_dead_trainer_is_named_by_every_other_rank(root, kind):
+    """Trainer rank 2 stops (SIGSTOP) or dies (SIGKILL) on receiving step 3. The other trainer
+    waited in the DDP all-reduce for over 480 s and the worker blamed trainer rank 1 (alive,
+    waiting on rank 2); now every other rank ends within topology.timeout_s naming rank 2, and
+    the trainers' lines are in train.log."""
+    job = run_job(
+        root,
+        f"split-trainer-{kind}",
+        3,
+        SPLIT_1W2T + ["topology.timeout_s=5", "logger=console"],
+        env={"DFLASH_FAULT": f"{kind}@2:3"},
+        timeout=150,
+        until=[0, 1],
+    )
+    for r in (0, 1):
+        assert job.codes[r] == 3 and job.exit_times[r] is not None, job.err(r)[-2000:]
+        (line,) = [ln for ln in job.err(r).splitlines() if "pipeline stopped" in ln]
+        assert line.split("pipeline stopped: ")[1].startswith("rank 2 (trainer) is silent"), line
+        assert "rank 1 " not in line.split("pipeline stopped: ")[1].split(";")[0], line
+    log = (job.run_dir / "train.log").read_text()
+    assert "[worker rank 0]" in log and "drafter: " in log  # the first trainer's lines
+    assert "[rank 1 trainer] pipeline stopped: rank 2 (trainer) is silent" in log, log[-2000:]

@@ -144,6 +144,18 @@ def test_resume_allows_logging_and_eval_changes(tiny_qwen, tmp_path):
     assert plan_run(cfg, str(tmp_path / "r"), named=True).step == 2
 
 
+def test_resume_may_change_the_time_budget_but_not_add_or_drop_it(tiny_qwen, tmp_path):
+    """The README's `resume=outputs/NAME train.time_budget_min=25` on a budgeted run."""
+    from dflash.run.plan import plan_run
+
+    fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.time_budget_min=20")
+    cfg = typed(tmp_path, "run_name=r", "resume=true", "train.time_budget_min=25")
+    assert plan_run(cfg, str(tmp_path / "r"), named=True).step == 2
+    cfg = typed(tmp_path, "run_name=r", "resume=true")  # the budget dropped: steps would rule
+    with pytest.raises(ValueError, match="train.time_budget_min changed .20.0 -> None"):
+        plan_run(cfg, str(tmp_path / "r"), named=True)
+
+
 def test_resume_of_a_finished_run_says_so_and_writes_nothing(tiny_qwen, tmp_path, capsys):
     from dflash.run.launcher import launch
 
@@ -283,3 +295,82 @@ def test_resume_reads_the_train_state_to_the_cpu(tiny_qwen, tmp_path, monkeypatc
     )
     rs.load_checkpoint(step, make_drafter(tiny_qwen))
     assert calls == ["cpu"]
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_run_dir_is_owned_by_one_live_run(tiny_qwen, tmp_path, capsys):
+    """A second start or resume of a run directory that a live run holds is refused in one line
+    naming the owner (they would mix their checkpoints and metrics, or join); the lock of a run
+    that died is taken over with a line."""
+    import socket
+
+    from dflash.run.launcher import launch
+    from dflash.run.lock import LOCK_FILE, RunLock
+
+    fake_run(tiny_qwen, tmp_path / "r", 2, "run_name=r", "train.steps=10")
+    live = RunLock(str(tmp_path / "r"))
+    assert live.acquire() is None  # a live run (this process) owns r
+    before = sorted(os.walk(tmp_path))
+    for over in (["resume=true"], ["train.lr=1e-3"], []):
+        with pytest.raises(SystemExit) as e:
+            launch(compose(tmp_path, "run_name=r", "train.steps=10", *over))
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: run dir {tmp_path / 'r'} is in use by a live run (pid ")
+        assert f"{os.getpid()} on host {socket.gethostname()}" in err and "\n" not in err
+        assert sorted(os.walk(tmp_path)) == before  # nothing written: not even train.log
+    live.release()
+
+    # the owner died (kill -9 leaves its lock file): the next start takes it over
+    lock = tmp_path / "r" / LOCK_FILE
+    lock.write_text(json.dumps({"pid": _dead_pid(), "host": socket.gethostname(), "started": 1}))
+    import dflash.run.launcher as launch_mod
+
+    launch_mod.run_colocated, real = (lambda cfg, run_dir: None), launch_mod.run_colocated
+    try:
+        launch(compose(tmp_path, "run_name=r", "train.steps=10", "resume=true"))
+    finally:
+        launch_mod.run_colocated = real
+    assert "run dir: taking it over from a run that is gone (pid " in capsys.readouterr().out
+    assert not lock.exists()  # released at the end
+
+
+def test_leftovers_of_killed_starts_are_cleaned_on_the_next_start(tmp_path, capsys):
+    """A fresh start after a kill before the first checkpoint does not append to the earlier
+    start's metrics (every row twice); the temporary folders of killed saves do not stay
+    forever."""
+    import dflash.run.launcher as launch_mod
+
+    run = tmp_path / "r"
+    dead = _dead_pid()
+    leftovers = [
+        f"checkpoints/.step_00000004.tmp{dead}/model.safetensors",
+        f"checkpoints/.step_00000002.old{dead}/config.json",
+        f"checkpoints/.latest.tmp{dead}",
+        f"run_config.json.tmp{dead}",
+        f"data/train-0123.pt.partial/shard_000001.npz.tmp{dead}",
+        f"data/eval-0123.safetensors.tmp{dead}",
+    ]
+    for rel in leftovers + ["data/train-0123.pt.partial/shard_000000.npz"]:
+        (run / rel).parent.mkdir(parents=True, exist_ok=True)
+        (run / rel).write_text("x")
+    (run / "metrics.jsonl").write_text('{"step": 1, "train/loss": 5.0}\n')
+    launch_mod.run_colocated, real = (lambda cfg, run_dir: None), launch_mod.run_colocated
+    try:
+        launch_mod.launch(compose(tmp_path, "run_name=r"))
+    finally:
+        launch_mod.run_colocated = real
+    out = capsys.readouterr().out
+    assert "run dir: removed what an interrupted earlier start left: " in out
+    for rel in leftovers:
+        top = "/".join(rel.split("/")[:2]) if rel.startswith("checkpoints/.step") else rel
+        assert not (run / top).exists(), rel
+    assert not (run / "metrics.jsonl").exists() and "metrics.jsonl (of an earlier start" in out
+    assert (run / "data/train-0123.pt.partial/shard_000000.npz").exists()  # resumable: kept

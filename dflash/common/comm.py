@@ -45,12 +45,25 @@ class PeerError(RuntimeError):
     """A peer rank died, stayed silent past the deadline, or sent something malformed."""
 
 
+_AT_EXIT: list = []  # callables (line, code) told before this process leaves through die()
+
+
+def at_die(fn) -> None:
+    """Tell `fn(line, code)` when this process leaves through die() (the liveness note)."""
+    _AT_EXIT.append(fn)
+
+
 def die(msg: str, code: int) -> NoReturn:
     """Print and leave now. os._exit skips atexit / process-group teardown, which can block
     forever on a pending receive from a dead peer."""
     if msg:
         print(msg, file=sys.stderr, flush=True)
     sys.stdout.flush()
+    for fn in _AT_EXIT:
+        try:
+            fn(msg.strip() or f"exit {code}", code)
+        except Exception:  # noqa: BLE001 - leaving is what matters now
+            pass
     os._exit(code)
 
 
@@ -68,10 +81,23 @@ class RankContext:
     # The first PeerError a receiver thread of this process saw: the launcher reports it as the
     # root cause when the main thread fails later in a collective with a peer that stopped.
     root_cause: PeerError | None = None
+    liveness: Any = None  # dflash.common.liveness.Liveness: which peer is silent (None: unknown)
+
+    def explain(self, e: BaseException) -> str:
+        """A failed wait's message, led by the silent or exited peer when there is one (the
+        peer a wait names may be alive, itself waiting on the silent one)."""
+        why = self.liveness.explain() if self.liveness is not None else None
+        return f"{why}; {e}" if why else str(e)
 
     @property
     def world_group(self):
         return dist.group.WORLD
+
+    @property
+    def collective_timeout(self) -> datetime.timedelta:
+        """The bound of a collective's wait: above timeout_s, so that the deadlines that name a
+        peer (messages, the liveness watchdog) fire first."""
+        return datetime.timedelta(seconds=self.timeout_s * 1.5 + 30)
 
     def barrier(self) -> None:
         """monitored_barrier names the ranks that did not arrive (gloo only: ctrl is gloo)."""
@@ -125,7 +151,7 @@ def init_distributed(backend: str, timeout_s: float, startup_timeout_s: float) -
             backend,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s * 1.5 + 30),
+            timeout=datetime.timedelta(seconds=timeout_s * 1.5 + 30),  # collective_timeout
         )
     ctrl = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=startup_timeout_s))
     return RankContext(
@@ -133,9 +159,9 @@ def init_distributed(backend: str, timeout_s: float, startup_timeout_s: float) -
     )
 
 
-def new_group(ranks: Sequence[int], backend: str | None = None):
+def new_group(ranks: Sequence[int], backend: str | None = None, timeout=None):
     """Collective over the whole job: every rank must call it, in the same order."""
-    return dist.new_group(ranks=list(ranks), backend=backend)
+    return dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout)
 
 
 def shutdown() -> None:

@@ -1,6 +1,9 @@
-"""Ctrl-C during training: the first SIGINT lets the current step finish (then the loop saves when
-train.save_on_interrupt and stops); a second one abandons the step at once. Either way the
-launcher prints one line with the command that resumes the run, and exits 130."""
+"""Stop requests: Ctrl-C (SIGINT) and SIGTERM (preemption, `scancel`, Kubernetes, torchrun
+passing a stop on). During training the first one lets the current step finish (then the loop
+saves when train.save_on_interrupt and stops); a second one abandons the step at once. Either
+way the launcher prints one line with the command that resumes the run, and exits 128 + the
+signal's number: 130 for SIGINT, 143 for SIGTERM. Outside the train loop a stop signal ends the
+process at once, as Ctrl-C does (KeyboardInterrupt), with the same exit code."""
 
 from __future__ import annotations
 
@@ -11,37 +14,81 @@ import threading
 import torch
 import torch.distributed as dist
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_received: list[int] = []  # the stop signals this process got, in order
+
 
 class Interrupted(Exception):
-    """The train loop stopped on Ctrl-C after `step` (checkpoint: the saved step dir or None)."""
+    """The train loop stopped on a stop signal after `step` (checkpoint: the saved step dir or
+    None); `signum`: the signal that asked."""
 
     def __init__(self, step: int, checkpoint: str | None):
         super().__init__(f"interrupted at step {step}")
         self.step, self.checkpoint = step, checkpoint
+        self.signum = stop_signal() or signal.SIGINT
+
+
+def stop_signal() -> int | None:
+    """The first stop signal this process received (None: none)."""
+    return _received[0] if _received else None
+
+
+def exit_code(signum: int | None) -> int:
+    return 128 + int(signum or signal.SIGINT)
+
+
+def signal_name(signum: int | None) -> str:
+    return signal.Signals(signum or signal.SIGINT).name
+
+
+def stop_at_once() -> dict:
+    """Outside the train loop: SIGTERM ends the process as Ctrl-C does (a KeyboardInterrupt the
+    launcher turns into its one line and exit code), instead of killing it where it stands.
+    Returns the handlers it replaced (for `restore`). A run starts here: earlier signals (of an
+    earlier run in this process) are forgotten."""
+    _received.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def on_signal(signum, frame):
+        _received.append(signum)
+        raise KeyboardInterrupt
+
+    return {s: signal.signal(s, on_signal) for s in STOP_SIGNALS}
+
+
+def restore(handlers: dict) -> None:
+    for s, h in handlers.items():
+        signal.signal(s, h)
 
 
 class StopRequest:
-    """Context manager around the train loop: SIGINT sets `requested` instead of raising."""
+    """Context manager around the train loop (and a split worker's production): a stop signal
+    sets `requested` instead of raising; a second one raises KeyboardInterrupt."""
 
-    def __init__(self):
+    def __init__(self, what: str = "finishing the current step"):
         self.requested = False
-        self._prev = None
+        self.what = what
+        self._prev: dict = {}
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGINT, self._on_sigint)
+            self._prev = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
+        for s, prev in self._prev.items():
+            signal.signal(s, prev)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        _received.append(signum)
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
+        again = "Ctrl-C" if signum == signal.SIGINT else signal_name(signum)
         print(
-            "\ninterrupt: finishing the current step (Ctrl-C again abandons it)",
+            f"\n{'interrupt' if signum == signal.SIGINT else signal_name(signum)}: {self.what} "
+            f"({again} again abandons it)",
             file=sys.stderr,
             flush=True,
         )

@@ -14,11 +14,14 @@ import dataclasses
 import glob
 import json
 import os
+import re
+import shutil
 
 import torch
 
 from ..config import RunConfig
 from .manifest import read_manifest
+from .storage import writing
 
 STATE_FILE = "train_state.pt"
 
@@ -48,6 +51,40 @@ def find_checkpoint(path: str) -> str:
     raise FileNotFoundError(
         f"no resumable checkpoint under {path!r} (expected a step_* directory "
         f"with {STATE_FILE}, or a run directory with checkpoints/latest)"
+    )
+
+
+def drafter_dir(path: str) -> str:
+    """A drafter directory (config.json + weights) from what a user names: a step directory or
+    a published drafter as it is, a run directory or its checkpoints/ (-> the step that
+    checkpoints/latest names, else the newest step_*), or the file checkpoints/latest itself."""
+    p = os.path.normpath(os.path.expanduser(path))
+    if os.path.isfile(p) and os.path.basename(p) == "latest":
+        with open(p) as f:
+            p = os.path.join(os.path.dirname(p), f.read().strip())
+    if os.path.isfile(os.path.join(p, "config.json")) or glob.glob(
+        os.path.join(p, "*.safetensors")
+    ):
+        return p  # a drafter (one missing its config.json is named by load_drafter)
+    for root in (os.path.join(p, "checkpoints"), p):
+        latest = os.path.join(root, "latest")
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                cand = os.path.join(root, f.read().strip())
+            if os.path.isfile(os.path.join(cand, "config.json")):
+                return cand
+        steps = sorted(
+            d
+            for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if d.startswith("step_") and os.path.isfile(os.path.join(root, d, "config.json"))
+        )
+        if steps:
+            return os.path.join(root, steps[-1])
+    what = "is not a directory" if not os.path.exists(p) else "holds no drafter"
+    raise FileNotFoundError(
+        f"ckpt={path!r} {what}: name a drafter directory (config.json + model.safetensors: a "
+        "step_* directory or a published drafter), a run directory (its newest checkpoint), or "
+        "its checkpoints/latest"
     )
 
 
@@ -81,18 +118,34 @@ def _checkpoint_or_none(path: str) -> str | None:
 
 
 def read_run_config(run_dir: str | None) -> dict | None:
+    """The run's run_config.json (None: it has none); a damaged one is a ValueError naming it."""
     path = os.path.join(run_dir, RUN_CONFIG) if run_dir else None
     if not path or not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"{path} is damaged (not valid JSON: {e}); the run's config is rewritten when it "
+            "starts again: delete the file to resume without checking that its data and model "
+            "are unchanged"
+        ) from None
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path} is damaged (a JSON {type(saved).__name__}, not the run's config)")
+    return saved
 
 
 def newest_run_of(out_root: str, exp_name: str) -> str:
-    """The checkpoint of the newest run under out_root whose run_config.json records exp_name."""
+    """The checkpoint of the newest run under out_root whose run_config.json records exp_name;
+    a run whose run_config.json is damaged is skipped with a line."""
     found = []
-    for d in glob.glob(os.path.join(out_root, "*")):
-        saved = read_run_config(d)
+    for d in sorted(glob.glob(os.path.join(out_root, "*"))):
+        try:
+            saved = read_run_config(d)
+        except ValueError as e:
+            print(f"resume=true: skipping {d}: {e}", flush=True)
+            continue
         ck = _checkpoint_or_none(d) if saved and saved.get("exp_name") == exp_name else None
         if ck:
             found.append((os.path.getmtime(ck), ck))
@@ -136,6 +189,61 @@ def keep_metrics_until(run_dir: str, step: int) -> list[int]:
     return damaged
 
 
+# what a process killed while writing leaves: a step directory or `latest` being saved, an old
+# step being replaced, a file written under a temporary name (run config, caches, shards)
+_LEFTOVER = re.compile(r"\.(step_\d+\.(tmp|old)|latest\.tmp)\d+|.+\.tmp\d*")
+
+
+def clean_leftovers(run_dir: str, fresh: bool) -> str | None:
+    """Remove what killed processes of this run left in its directory (the caller owns it, so
+    nothing there is being written): temporary files and folders of interrupted saves, and on a
+    fresh start the metrics of an earlier start that saved no checkpoint (they would be
+    duplicated). A shared data.cache_dir outside the run directory is left alone. Returns the
+    line that says what went, or None."""
+    gone = []
+
+    def drop(path: str, own: bool) -> None:
+        name = os.path.basename(path)
+        if _LEFTOVER.fullmatch(name) and (own or _writer_gone(name)):
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            gone.append(os.path.relpath(path, run_dir))
+
+    for root in (run_dir, os.path.join(run_dir, "checkpoints")):
+        for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+            drop(os.path.join(root, name), own=True)
+    # another run may read and write this run's data dir (its data.cache_dir): there only what
+    # a process that is gone left
+    data = os.path.join(run_dir, "data")
+    for name in sorted(os.listdir(data)) if os.path.isdir(data) else []:
+        path = os.path.join(data, name)
+        if name.endswith(".partial") and os.path.isdir(path):  # a regeneration's shards
+            for part in sorted(os.listdir(path)):
+                drop(os.path.join(path, part), own=False)
+        else:
+            drop(path, own=False)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if fresh and os.path.isfile(metrics):
+        os.remove(metrics)
+        gone.append("metrics.jsonl (of an earlier start that saved no checkpoint)")
+    if not gone:
+        return None
+    return f"run dir: removed what an interrupted earlier start left: {', '.join(gone)}"
+
+
+def _writer_gone(name: str) -> bool:
+    """A `.tmpPID` file whose writer (a process of this host) no longer runs."""
+    m = re.search(r"\.tmp(\d+)$", name)
+    if not m:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 LAYOUT_CHANGES = "layout_changes"  # run_config.json: resumes that cut the steps differently
 
 
@@ -161,7 +269,7 @@ def write_run_config(cfg: RunConfig, run_dir: str, extra: dict | None = None) ->
 
 def _write_json(path: str, body: dict) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
+    with writing(path), open(tmp, "w") as f:
         json.dump(body, f, indent=2, default=str)
     os.replace(tmp, path)
 

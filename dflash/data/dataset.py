@@ -67,8 +67,11 @@ def generate_greedy(
         disable=os.environ.get("DFLASH_NO_PROGRESS") == "1",
     )
     t0, new_tokens = time.perf_counter(), 0
+    eta = _Eta(desc, len(prompts), len(done), t0, log)
     for i in range(len(done), len(prompts), batch_size):
-        if time_limit_s is not None and time.perf_counter() - t0 >= time_limit_s:
+        now = time.perf_counter() if time_limit_s is not None or log is not None else 0.0
+        eta.update(len(done), time_limit_s, now)  # the batches so far
+        if time_limit_s is not None and now - t0 >= time_limit_s:
             if log:
                 log(
                     f"{desc}: time limit of {time_limit_s / 60:g} min reached after {len(done)} "
@@ -94,6 +97,45 @@ def generate_greedy(
     for j, r in zip(order, done):
         out[j] = r
     return out
+
+
+class _Eta:
+    """Progress lines for the log (the bar reaches train.log only as its last state): after
+    the first batch, with the time the rest will take at that rate, so that a first try with
+    data sizes meant for a large target (data=jsonl: 800k prompts, 2048 tokens each) says how
+    long it will be instead of looking hung; then one every few minutes."""
+
+    EVERY_S = 300.0
+    HINT = " (data.num_samples, data.response_len and data.regen_batch_size set the work)"
+
+    def __init__(self, desc: str, total: int, done: int, t0: float, log):
+        self.desc, self.total, self.start, self.t0, self.log = desc, total, done, t0, log
+        self.last = None
+
+    def update(self, done: int, time_limit_s: float | None, now: float) -> None:
+        if self.log is None or done in (self.start, self.total):
+            return
+        if self.last is not None and now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        spent = now - self.t0
+        left = spent / max(done - self.start, 1) * (self.total - done)
+        capped = time_limit_s is not None and left > time_limit_s - spent
+        if capped:
+            left = max(time_limit_s - spent, 0.0)
+        self.log(
+            f"{self.desc}: {done} of {self.total} prompts in {_duration(spent)}; "
+            + (
+                f"stops in {_duration(left)} (data.regen_time_limit_min)"
+                if capped
+                else f"~{_duration(left)} to go at this rate"
+            )
+            + (self.HINT if self.desc == "regenerate" else "")
+        )
+
+
+def _duration(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 def _regen_order(prompts: list[list[int]], batch_size: int, seed: int) -> list[int]:
@@ -289,4 +331,10 @@ def _fmt_stats(stats: dict) -> str:
 
 
 def load_samples(path: str) -> list[Sample]:
-    return unpack_samples(torch.load(path))
+    try:
+        return unpack_samples(torch.load(path))
+    except Exception as e:  # truncated zip, pickle garbage, wrong contents: torch raises many
+        raise ValueError(
+            f"the data cache {path} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            "); delete it and start again: the target regenerates it"
+        ) from None

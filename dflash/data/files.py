@@ -93,6 +93,8 @@ def resolve_paths(paths, key: str = "data.paths", hub_ok: bool = False) -> list[
 def iter_rows(cfg: DataConfig, key: str = "data.paths") -> Iterator[tuple[object, str]]:
     """(row, where it is) for every row of every path, in order."""
     for path in resolve_paths(cfg.paths, key, hub_ok=cfg.source == "hf"):
+        if cfg.source == "parquet":
+            _check_parquet(path)
         if cfg.source != "hf" and path.endswith(JSON_EXT):
             yield from (json_rows if _ext(path) == ".json" else jsonl_rows)(path, cfg)
         else:
@@ -109,18 +111,54 @@ def _open(path: str):
 
 
 def jsonl_rows(path: str, cfg: DataConfig) -> Iterator[tuple[object, str]]:
-    with _open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(
-                    f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}); each line must "
-                    f"be one JSON object with {expected(cfg.format, cfg.prompt_field)}"
-                ) from None
-            yield row, f"{path}:{n}"
+    lines = (gzip.open if path.endswith(".gz") else open)(path, "rb")
+    try:
+        with lines as f:
+            for n, raw in enumerate(f, 1):
+                line = _text_line(raw, path, n)
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(
+                        f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno}); each line "
+                        f"must be one JSON object with {expected(cfg.format, cfg.prompt_field)}"
+                    ) from None
+                yield row, f"{path}:{n}"
+    except (OSError, EOFError) as e:  # a .gz that is not gzip, or is cut off
+        raise ValueError(
+            f"{path}: cannot be read as jsonl{'.gz' * path.endswith('.gz')} ({e})"
+        ) from None
+
+
+def _text_line(raw: bytes, path: str, n: int) -> str:
+    """One line of a jsonl file as text; a binary or non-UTF-8 file is named with its line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        hint = " (a parquet file: data.source=parquet)" if raw.startswith(b"PAR1") else ""
+        raise ValueError(
+            f"{path}:{n}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+            f"data.paths must be jsonl: UTF-8 text, one JSON object a line{hint}"
+        ) from None
+    if "\x00" in line:
+        raise ValueError(
+            f"{path}:{n}: a NUL byte: a binary file, not jsonl (UTF-8 text, one JSON object a line)"
+        )
+    return line
+
+
+def _check_parquet(path: str) -> None:
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_schema(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types
+        raise ValueError(
+            f"{path}: not a parquet file ({str(e).splitlines()[0][:100]}); data.source=parquet "
+            "reads parquet files (data.source=jsonl reads jsonl)"
+        ) from None
 
 
 def json_rows(path: str, cfg: DataConfig) -> Iterator[tuple[object, str]]:

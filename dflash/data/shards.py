@@ -9,11 +9,14 @@ file instead of a pickled list of per-sample dicts of tiny tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
 import numpy as np
 import torch
+
+from ..common.storage import writing
 
 
 class ResponseShards:
@@ -22,21 +25,40 @@ class ResponseShards:
 
     def load(self, key: str | None, log=None) -> list[list[int]]:
         """The responses of finished batches, in order; [] (and the directory is cleared) when
-        it was written for other prompts or settings. key=None: whatever is there."""
+        it was written for other prompts or settings, or has no key (a regeneration killed as it
+        started). A shard that cannot be read ends the batches kept: it and the ones after it
+        are regenerated. key=None: whatever is there."""
+        say = log or (lambda *_: None)
         if not os.path.isdir(self.path):
             return []
-        with open(os.path.join(self.path, "key")) as f:
-            found = f.read().strip()
-        if key is not None and found != key:
-            if log:
-                log(f"data: ignoring {self.path}: written for other prompts or settings")
+        try:
+            with open(os.path.join(self.path, "key")) as f:
+                found = f.read().strip()
+        except OSError:
+            found = None
+        if found is None or (key is not None and found != key):
+            why = "written for other prompts or settings" if found else "it has no key file"
+            say(f"data: starting over instead of resuming {self.path}: {why}")
             shutil.rmtree(self.path)
             return []
         out: list[list[int]] = []
-        for name in sorted(n for n in os.listdir(self.path) if n.endswith(".npz")):
-            with np.load(os.path.join(self.path, name)) as z:
-                ends = np.cumsum(z["lengths"])
-                out += [a.tolist() for a in np.split(z["tokens"], ends[:-1])] if len(ends) else []
+        names = sorted(n for n in os.listdir(self.path) if n.endswith(".npz"))
+        for index, name in enumerate(names):
+            try:
+                if name != f"shard_{index:06d}.npz":
+                    raise ValueError(f"shard {index} is missing")
+                with np.load(os.path.join(self.path, name)) as z:
+                    ends = np.cumsum(z["lengths"])
+                    out += (
+                        [a.tolist() for a in np.split(z["tokens"], ends[:-1])] if len(ends) else []
+                    )
+            except Exception as e:  # noqa: BLE001 - numpy/zipfile raise many types
+                say(
+                    f"data: {self.path}/{name} is unreadable ({e}): regenerating from batch {index}"
+                )
+                for later in names[index:]:
+                    os.remove(os.path.join(self.path, later))
+                break
         return out
 
     def append(self, key: str, index: int, responses: list[list[int]]) -> None:
@@ -54,7 +76,10 @@ class ResponseShards:
     def adopt_legacy_file(self, key: str, log=None) -> list[list[int]]:
         """A partial file of the older single-file format: its responses (when written for this
         key) become shard 0, and the file goes."""
-        state = torch.load(self.path)
+        try:
+            state = torch.load(self.path)
+        except Exception:  # noqa: BLE001 - a damaged file: start over
+            state = None
         os.remove(self.path)
         if not isinstance(state, dict) or state.get("key") != key:
             if log:
@@ -73,8 +98,13 @@ class ResponseShards:
 
 def _atomic_write(path: str, write) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
+    try:
+        with writing(path), open(tmp, "wb") as f:
+            write(f)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
 
 

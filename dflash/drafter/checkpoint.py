@@ -14,6 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..common.manifest import verify_manifest, write_manifest
+from ..common.storage import usual_mode
 from .model import DFlashDrafter
 from .spec import DrafterSpec
 from .variants import build_model
@@ -32,6 +33,7 @@ def save_drafter(
         json.dump(drafter.spec.to_hf_config(str(dtype).removeprefix("torch.")), f, indent=2)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    usual_mode(os.path.join(path, "model.safetensors"))
     if manifest:
         write_manifest(path)
 

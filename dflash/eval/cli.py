@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
-from ..common.layout import run_dir_of
+from ..common.layout import drafter_dir, read_run_config, run_dir_of
 from ..config import DataConfig, EvalConfig, RunConfig, TargetConfig
 from ..drafter.checkpoint import load_drafter
 from ..drafter.variants import variant
@@ -20,13 +19,9 @@ from .sets import build_eval_set, build_eval_sets
 
 def run_config_of(ckpt: str) -> dict | None:
     """Our checkpoints sit in <run_dir>/checkpoints/step_*; the run's config is next to them."""
-    for cand in (
-        os.path.join(ckpt, "..", "..", "run_config.json"),
-        os.path.join(ckpt, "run_config.json"),
-    ):
-        if os.path.isfile(cand):
-            with open(cand) as f:
-                return json.load(f)
+    for cand in (os.path.join(ckpt, "..", ".."), ckpt):
+        if os.path.isfile(os.path.join(cand, "run_config.json")):
+            return read_run_config(os.path.normpath(cand))
     return None
 
 
@@ -39,14 +34,17 @@ def _run_caches(ckpt: str, prev: dict | None) -> tuple[str, ...]:
     return (prev.get("data", {}).get("cache_dir") or os.path.join(run_dir, "data"),)
 
 
+def checkpoint_of(rc: RunConfig) -> str:
+    """The drafter directory `ckpt=` names (a run dir, checkpoints/latest or a step dir)."""
+    if not rc.ckpt:
+        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
+    return drafter_dir(rc.ckpt)
+
+
 def eval_dir(rc: RunConfig, root: str = "evals") -> str:
     """evals/<run>-<step> for our checkpoints (<run>/checkpoints/step_*), evals/<dir name> for a
     published one; checked here so that a bad ckpt leaves no directory behind."""
-    if not rc.ckpt:
-        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
-    if not os.path.isdir(rc.ckpt):
-        raise FileNotFoundError(f"ckpt={rc.ckpt!r} is not a directory")
-    ck = os.path.abspath(rc.ckpt)
+    ck = os.path.abspath(checkpoint_of(rc))
     parent = os.path.dirname(ck)
     name = os.path.basename(ck)
     if os.path.basename(parent) == "checkpoints":
@@ -66,10 +64,10 @@ def _restore_group(rc: RunConfig, group: str, cls, saved: dict, user_set: set[st
 
 
 def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
-    if not rc.ckpt:
-        raise ValueError("ckpt is not set: python eval.py ckpt=/path/to/drafter_dir")
-    if not os.path.isdir(rc.ckpt):
-        raise FileNotFoundError(f"ckpt={rc.ckpt!r} is not a directory")
+    ck = checkpoint_of(rc)
+    if os.path.normpath(os.path.expanduser(rc.ckpt)) != ck:
+        print(f"checkpoint: {ck}")
+    rc = dataclasses.replace(rc, ckpt=ck)
     drafter, report = load_drafter(rc.ckpt, strict=False)
     spec = drafter.spec
     fc_in = report["fc_input"]

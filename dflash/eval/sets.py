@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..common.storage import usual_mode, writing
 from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
@@ -31,6 +32,7 @@ NOT_IN_KEY = (
     "show_rounds",
     "enabled",
 )
+DATA_NOT_IN_KEY = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
 
 
 @dataclass
@@ -202,7 +204,10 @@ def build_named_set(cfg, es, target, cache_dir, log=print, read_dirs=()) -> list
 
 
 def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log) -> list[EvalItem]:
-    key = {**key, "data": vars(cfg.data), "target": vars(cfg.target), "layers": target.layer_ids}
+    # where the data cache lives, how training batches are packed and the static decoder's
+    # options change nothing of an eval set
+    data = {k: v for k, v in vars(cfg.data).items() if k not in DATA_NOT_IN_KEY}
+    key = {**key, "data": data, "target": vars(cfg.target), "layers": target.layer_ids}
     text = json.dumps(key, sort_keys=True, default=str)
     name = f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.safetensors"
     for d in (cache_dir, *read_dirs):
@@ -283,14 +288,27 @@ def save_eval_set(items: list[EvalItem], path: str) -> None:
         if it.final_LH is not None:
             t[f"{i}.final"] = it.final_LH.contiguous()
     tmp = f"{path}.tmp{os.getpid()}"
-    save_file(t, tmp)
+    try:
+        with writing(path):
+            save_file(t, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    usual_mode(tmp)
     os.replace(tmp, path)
 
 
 def load_eval_set(path: str) -> list[EvalItem]:
-    t = load_file(path)
-    n = len({k.split(".")[0] for k in t})
-    return [
-        EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
-        for i in range(n)
-    ]
+    try:
+        t = load_file(path)
+        n = len({k.split(".")[0] for k in t})
+        return [
+            EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
+            for i in range(n)
+        ]
+    except Exception as e:  # safetensors raises several types for a damaged file
+        raise ValueError(
+            f"the eval-set cache {path} is damaged ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:120]}); delete it and start again: it is rebuilt"
+        ) from None

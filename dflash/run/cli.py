@@ -45,9 +45,9 @@ def setup() -> None:
     if not OmegaConf.has_resolver("dflash_run_id"):
         OmegaConf.register_new_resolver("dflash_run_id", run_id, use_cache=True)
     if not OmegaConf.has_resolver("dflash_help"):
-        from .help import render_help
+        from .help import hydra_help
 
-        OmegaConf.register_new_resolver("dflash_help", render_help)
+        OmegaConf.register_new_resolver("dflash_help", hydra_help)
     if os.path.basename(sys.argv[0]) == "train.py":
         from ..config import RunConfig
         from .plan import with_run_overrides

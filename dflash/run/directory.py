@@ -15,6 +15,8 @@ import os
 import shutil
 import sys
 
+from .lock import RunLock, describe
+
 
 class _Tee:
     """A text stream that writes to the console stream and to the log file. Carriage-return
@@ -27,19 +29,26 @@ class _Tee:
         n = self.stream.write(s)
         self.pending += s
         *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self.log.write(line.rsplit("\r", 1)[-1].rstrip() + "\n")
-        self.log.flush()
+        self._to_log("".join(line.rsplit("\r", 1)[-1].rstrip() + "\n" for line in lines))
         return n if n is not None else len(s)
+
+    def _to_log(self, text: str) -> None:
+        """A full disk must not turn every print into an error: the console goes on."""
+        if not text or self.log.closed:
+            return
+        try:
+            self.log.write(text)
+            self.log.flush()
+        except OSError:
+            pass
 
     def flush(self) -> None:
         self.stream.flush()
-        self.log.flush()
+        self._to_log("")
 
     def close_line(self) -> None:
         tail = self.pending.rsplit("\r", 1)[-1].rstrip()
-        if tail:
-            self.log.write(tail + "\n")
+        self._to_log(tail + "\n" if tail else "")
         self.pending = ""
 
     def __getattr__(self, name):  # isatty, fileno, encoding... of the console stream
@@ -47,28 +56,71 @@ class _Tee:
 
 
 class RunDir:
-    """`open()` makes the directory and starts the log; `close(ok)` stops the log and, after a
-    failure, removes a directory this command made for a run that never started (a run has
-    started once it wrote run_config.json: resumed or fresh, right before its first step)."""
+    """`own()` makes the directory and takes its lock (one live run per directory); `open()`
+    starts the log; `close(ok)` stops the log, releases the lock and, after a failure, removes a
+    directory this command made for a run that never started (a run has started once it wrote
+    run_config.json: resumed or fresh, right before its first step)."""
 
-    def __init__(self, path: str, log_name: str, writer: bool = True):
+    def __init__(self, path: str, log_name: str, writer: bool = True, logs: bool | None = None):
+        """writer: this process makes (and may remove) the directory; logs: it writes its console
+        to the log file (default: the writer)."""
         self.path, self.log_name, self.writer = path, log_name, writer
+        self.logs = writer if logs is None else logs
         self.made = False
+        self._made_top: str | None = None  # the outermost folder open() made (out_root, ...)
         self._log = None
         self._saved: tuple | None = None
+        self._lock: RunLock | None = None
+
+    def own(self) -> str | None:
+        """Make the directory and take its lock (rank 0, before anything is written there); the
+        line that refuses the start when a live run owns it (see dflash.run.lock)."""
+        self._make()
+        self._lock = RunLock(self.path)
+        refused = self._lock.acquire()
+        if refused:  # the directory is the live run's: nothing here is removed
+            self._lock, self.made, self._made_top = None, False, None
+        return refused
+
+    def _make(self) -> None:
+        if self._made_top is None and not self.made:
+            self.made = not os.path.exists(self.path)
+            self._made_top = _first_missing(self.path)
+        os.makedirs(self.path, exist_ok=True)
+
+    def taken_over(self) -> str | None:
+        """The line saying whose lock this run took over (a run that died holding it)."""
+        prev = self._lock.previous if self._lock is not None else None
+        if not prev:
+            return None
+        return f"run dir: taking it over from a run that is gone ({describe(prev)})"
 
     def open(self) -> RunDir:
-        if not self.writer:  # rank 0 makes (and may remove) the directory
-            return self
-        self.made = not os.path.exists(self.path)
-        os.makedirs(self.path, exist_ok=True)
-        if self.writer:
+        if self.writer:  # rank 0 makes (and may remove) the directory
+            self._make()
+        if self.logs and self._saved is None:
             self._log = open(os.path.join(self.path, self.log_name), "a", buffering=1)
             self._saved = (sys.stdout, sys.stderr)
             sys.stdout = _Tee(sys.stdout, self._log)
             sys.stderr = _Tee(sys.stderr, self._log)
             self._retarget_handlers(self._saved, (sys.stdout, sys.stderr))
         return self
+
+    def note(self, line: str) -> None:
+        """A rank that does not log (another trainer, a worker) still leaves its last line in the
+        log, so that the log says why every rank stopped."""
+        if self.logs or not line or not os.path.isdir(self.path):
+            return
+        try:
+            with open(os.path.join(self.path, self.log_name), "a") as f:
+                f.write(line.rstrip() + "\n")
+        except OSError:
+            pass
+
+    def log_only(self, text: str) -> None:
+        """To the log file, not the console (a traceback Python prints to the console itself)."""
+        if self._saved is not None and isinstance(sys.stderr, _Tee):
+            sys.stderr._to_log(text)
 
     def close(self, ok: bool = True) -> None:
         if self._saved is not None:
@@ -78,10 +130,17 @@ class RunDir:
             self._retarget_handlers((sys.stdout, sys.stderr), self._saved)
             sys.stdout, sys.stderr = self._saved
             self._saved = None
-            self._log.close()
+            try:
+                self._log.close()
+            except OSError:  # the last flush on a full disk
+                pass
         started = os.path.exists(os.path.join(self.path, "run_config.json"))
         if not ok and self.made and not started:
             shutil.rmtree(self.path, ignore_errors=True)
+            _remove_empty_parents(self.path, self._made_top)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     @staticmethod
     def _retarget_handlers(old: tuple, new: tuple) -> None:
@@ -98,3 +157,24 @@ class RunDir:
                                 h.setStream(n)
                             except AttributeError:  # a handler that reads sys.stderr itself
                                 pass
+
+
+def _first_missing(path: str) -> str | None:
+    """The outermost folder of `path` that does not exist yet (None: path exists)."""
+    path, top = os.path.abspath(path), None
+    while not os.path.exists(path):
+        top, path = path, os.path.dirname(path)
+    return top
+
+
+def _remove_empty_parents(path: str, top: str | None) -> None:
+    """After the run dir itself went: the folders above it that open() made, while empty."""
+    if top is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    while len(d) >= len(top) and d.startswith(top):
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty: another run, or a cache, lives there
+            return
+        d = os.path.dirname(d)

@@ -1,12 +1,14 @@
 """`python train.py --help` (Hydra's app help, conf/hydra/help/dflash.yaml): the config groups
 and their options, each with the first sentence of its file's header comment, then the keys of
-each group with their descriptions from the schemas (dflash.config.docs)."""
+each group with their descriptions from the schemas (dflash.config.docs) and the values the default
+job and each other option give them (dflash.run.defaults)."""
 
 from __future__ import annotations
 
 import os
 import re
 
+from .defaults import option_values, show
 from .overrides import CONF_DIR, groups
 
 
@@ -25,7 +27,25 @@ def _header(path: str) -> str:
     return re.split(r"(?<![0-9])\. ", text)[0].rstrip(".")
 
 
+_rendering = []  # composing the defaults inside --help resolves the help template again
+
+
+def hydra_help() -> str:
+    """The help template's resolver: Hydra passes the text through string.Template."""
+    return render_help().replace("$", "$$")
+
+
 def render_help() -> str:
+    if _rendering:
+        return ""
+    _rendering.append(True)
+    try:
+        return _render()
+    finally:
+        _rendering.pop()
+
+
+def _render() -> str:
     from ..config.docs import rows
 
     out = [
@@ -39,9 +59,12 @@ def render_help() -> str:
         for opt in options:
             desc = _header(os.path.join(CONF_DIR, group, f"{opt}.yaml"))
             out.append(f"  {opt:<22} {desc}")
-    out += ["", "== Keys ==  (key=value)"]
-    for key, _typ, default, doc in rows():
-        out.append(f"  {key:<28} {doc}  [default: {default}]")
+    out += ["", "== Keys ==  (key=value; default: what `python train.py` runs)"]
+    base, others = option_values()
+    for key, _typ, schema_default, doc in rows():
+        opts = "".join(f"; {o}: {show(v)}" for o, v in others.get(key, []))
+        default = show(base[key]) if key in base else schema_default  # a list item's field
+        out.append(f"  {key:<28} {doc}  [default: {default}{opts}]")
     out += [
         "",
         "Examples:",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import types
 import typing
 
 from ..config import RunConfig
@@ -72,7 +73,46 @@ def check_override(override: str, conf_dir: str = CONF_DIR) -> None:
         path.append(part)
         cls = fields[part]
         if not dataclasses.is_dataclass(cls):
+            if len(path) == len(parts) and eq:
+                check_value(override, key, cls)
             return  # a leaf (or a free-form dict such as target.config / drafter.rope_scaling)
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _kind(typ) -> str:
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ) or (str,)
+        return f"a list of {_kind(item).removeprefix('an ').removeprefix('a ')}s ([a, b])"
+    if typing.get_origin(typ) is dict or typ is dict:
+        return "a mapping ({k: v})"
+    return _KINDS.get(typ, getattr(typ, "__name__", str(typ)))
+
+
+def check_value(override: str, key: str, typ) -> None:
+    """A value of the wrong type is one line naming the key and the type it takes (Hydra would
+    print six lines and exit 1): the value as Hydra parses it, checked by OmegaConf as the
+    schema types it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra's own message names it
+        return
+    if parsed.is_sweep_override():
+        return
+    try:
+        OmegaConf.update(OmegaConf.structured(RunConfig), key, parsed.value(), merge=False)
+    except OmegaConfBaseException:
+        union = typing.get_origin(typ) in (typing.Union, types.UnionType)
+        args = typing.get_args(typ) if union else (typ,)
+        kinds = [_kind(a) if a is not type(None) else "null" for a in args]
+        raise ValueError(
+            f"{override!r}: {key} takes {' or '.join(kinds)}, got {override.split('=', 1)[1]!r}"
+        ) from None
 
 
 def check_argv(argv: list[str], conf_dir: str = CONF_DIR) -> None:

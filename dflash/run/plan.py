@@ -15,8 +15,10 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 from dataclasses import dataclass
 
+from ..common.interrupt import Interrupted, signal_name, stop_signal
 from ..common.layout import (
     _checkpoint_or_none,
     checkpoint_step,
@@ -59,6 +61,8 @@ SAFE_KEYS = (
     # the sample order is by absolute position: another layout may cut it into steps differently
     "train.micro_batch_size",
     "train.grad_accum",
+    # the schedule goes on from the fraction reached, over what the new budget leaves (budget.py)
+    "train.time_budget_min",
 )
 SCHEDULE_KEYS = ("train.steps", "train.lr", "train.min_lr_ratio", "train.warmup_ratio")
 
@@ -186,6 +190,15 @@ def check_same_run(
         return  # a step directory outside a run: only the drafter's config can be checked
     now = _flat(json.loads(json.dumps(dataclasses.asdict(cfg), default=str)))
     old = _flat(saved)
+    budget = "train.time_budget_min"
+    if budget in old and (now[budget] is None) != (old[budget] is None):
+        raise ValueError(
+            f"resume: {budget} changed ({old[budget]!r} -> {now[budget]!r}) since the run "
+            "started; a budgeted run's schedule follows the clock and a step-counted one the "
+            f"steps, so one cannot continue as the other; set {budget}="
+            f"{'null' if old[budget] is None else old[budget]} (another value is fine), or start "
+            f"a new run from the checkpoint with drafter.init_from={ckpt}"
+        )
     for key in sorted(now):
         if key in old and not _safe(key) and now[key] != old[key]:
             how = (
@@ -202,3 +215,38 @@ def check_same_run(
                 f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "
                 f"would change the {what} of the run being continued; {how}"
             )
+
+
+class ResumeCommand:
+    """The one line printed on Ctrl-C: `resume=RUN_DIR` continues in the same run directory
+    (RUN_DIR resolves to its latest checkpoint)."""
+
+    def __init__(self, overrides: list[str], cfg: RunConfig, run_dir: str, world: int):
+        drop = ("resume", "run_name")
+        keep = [o for o in overrides if override_key(o) not in drop]
+        prog = "python train.py" if world == 1 else f"torchrun --nproc-per-node {world} train.py"
+        self.fresh = " ".join([prog, *map(shlex.quote, keep)])
+        # resume=RUN_DIR alone continues in that directory (rundir.plan_run); a run_name here
+        # would name a directory to continue in instead
+        self.resume = " ".join([self.fresh, shlex.quote(f"resume={run_dir}")])
+        self.run_dir = run_dir
+
+    def save(self) -> None:
+        """RUN_DIR/resume_command: what a resume that changes a key of the run points to."""
+        path = os.path.join(self.run_dir, RESUME_FILE)
+        with open(path + ".tmp", "w") as f:
+            f.write(self.resume + "\n")
+        os.replace(path + ".tmp", path)
+
+    def line(self, e: Interrupted | None) -> str:
+        signum = e.signum if e is not None else stop_signal()
+        how = (
+            "interrupted"
+            if signum in (None, signal.SIGINT)
+            else f"stopped by {signal_name(signum)}"
+        )
+        if e is None:
+            return f"{how} before training started (nothing saved); start again with: {self.fresh}"
+        if e.checkpoint is None and not os.path.isdir(os.path.join(self.run_dir, "checkpoints")):
+            return f"{how} at step {e.step} (nothing saved: train.save_on_interrupt=false); start again with: {self.fresh}"
+        return f"{how} at step {e.step}; resume with: {self.resume}"

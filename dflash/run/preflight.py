@@ -7,6 +7,7 @@ instead of after minutes of loading (a random 27B target on a CPU box was OOM-ki
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -75,11 +76,35 @@ def check_files(cfg: RunConfig) -> None:
     from ..eval.heldout import check_eval_sets
 
     check_eval_sets(cfg)
+    check_prompt_files(cfg)
 
 
 def _hub_name(p: str) -> bool:
     """owner/name of a hub dataset, not a local path."""
     return not os.path.isabs(p) and not p.startswith((".", "~")) and not os.path.exists(p)
+
+
+def check_prompt_files(cfg: RunConfig) -> None:
+    """Read and check every prompt row of the local prompt files now (bad JSON, a binary file,
+    wrong fields, a parquet source that is not parquet, no rows at all): minutes before the
+    target would have loaded."""
+    from ..data.files import read_conversations
+    from ..data.mix import source_config
+
+    local = ("jsonl", "parquet")
+    if cfg.data.source in local:
+        read_conversations(cfg.data, log=lambda *_: None)
+    for m in cfg.data.mix:
+        if m.source in local:
+            read_conversations(
+                source_config(cfg.data, m, cfg.data.num_samples), log=lambda *_: None
+            )
+    source = cfg.eval.source or cfg.data.source
+    if cfg.eval.enabled and cfg.eval.paths and source in local:
+        ecfg = dataclasses.replace(
+            cfg.data, source=source, paths=list(cfg.eval.paths), num_samples=cfg.eval.num_prompts
+        )
+        read_conversations(ecfg, log=lambda *_: None)
 
 
 def check_target_resources(tcfg: TargetConfig, device: str | None = None) -> None:

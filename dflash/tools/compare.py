@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 
+from ..common.layout import read_run_config
 from ..common.plot import load_metrics
 
 
@@ -21,8 +22,7 @@ def flat_config(run_dir: str) -> dict:
     path = os.path.join(run_dir, "run_config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found; pass run directories (outputs/<run>)")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_run_config(run_dir)
     out = {}
 
     def walk(prefix, node):

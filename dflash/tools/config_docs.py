@@ -1,7 +1,8 @@
 """docs/configuration.md from the config schemas: `python -m dflash.tools.config_docs > docs/configuration.md`.
 
-Descriptions come from the schemas' comments (dflash.config.docs); `tests/test_config_docs.py`
-fails when this file is stale.
+Descriptions come from the schemas' comments (dflash.config.docs), defaults from the composed
+default job and the group options (dflash.run.defaults); `tests/test_config_docs.py` fails when
+this file is stale.
 """
 
 from __future__ import annotations
@@ -10,20 +11,24 @@ import os
 import sys
 
 from ..config.docs import rows
+from ..run.defaults import option_values, show
 
 
 def render() -> str:
+    base, others = option_values()
     out = [
         "# Configuration reference",
         "",
-        "Generated from the schemas in `dflash/config/` by "
+        "Generated from the schemas in `dflash/config/` and the option files in `conf/` by "
         "`python -m dflash.tools.config_docs > docs/configuration.md`; do not edit by hand.",
-        "Defaults are the schema's; a group file (`conf/<group>/<option>.yaml`) or an experiment",
-        "(`+exp=NAME`) may set others. Set any key on the command line: `python train.py key=value`.",
+        "Defaults are what the default job (`python train.py`) runs: `conf/config.yaml` with its",
+        "default option of each group. The last column is what another option of the group sets",
+        "(`group=option`); an experiment (`+exp=NAME`) may set more. Set any key on the command",
+        "line: `python train.py key=value`.",
         "",
     ]
     current = None
-    for key, typ, default, doc in rows():
+    for key, typ, _schema_default, doc in rows():
         group = key.split(".")[0] if "." in key else "(top level)"
         if group != current:
             current = group
@@ -32,10 +37,18 @@ def render() -> str:
                 "",
                 f"## {title}",
                 "",
-                "| key | type | default | description |",
-                "|---|---|---|---|",
+                "| key | type | default | description | other options |",
+                "|---|---|---|---|---|",
             ]
-        out.append(f"| `{key}` | `{typ}` | `{default}` | {doc.replace('|', '/')} |")
+        opts = "; ".join(f"`{o}`: `{show(v)}`" for o, v in others.get(key, []))
+        cells = [
+            f"`{key}`",
+            f"`{typ}`",
+            f"`{show(base[key]) if key in base else _schema_default}`",
+            doc,
+            opts,
+        ]
+        out.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -8,7 +8,8 @@
   collect their exit codes (tests need to watch each process; torchrun would tear the job down).
 - `InstrumentTap` + `python -m dflash.tools.testing train.py ARGS`: train.py with the split stream
   instrumented from the environment: DFLASH_PIPE_DUMP=DIR saves every micro-batch as sent and
-  as received; DFLASH_FAULT="kind@rank:step[,...]" makes a worker die, hang or send NaN.
+  as received; DFLASH_FAULT="kind@rank:step[,...]" makes a worker die, hang, stop or send NaN, or
+  a trainer die, hang or stop.
 """
 
 from __future__ import annotations
@@ -170,6 +171,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_STORES: list = []  # the stores of the jobs launch_local started (alive while this process is)
+
+
 def launch_local(
     argv: Sequence[str],
     nproc: int,
@@ -179,10 +183,14 @@ def launch_local(
     run_id: str | None = None,
 ) -> list[subprocess.Popen]:
     """Start `nproc` copies of `argv` with the environment torchrun would give them (one node,
-    TCP rendezvous on 127.0.0.1). Tests and benchmarks use it to control the processes
-    directly (torchrun would tear the job down on the first failure before we can observe it).
+    TCP rendezvous on 127.0.0.1, the store held by this process as torchrun's agent holds it, so
+    it outlives any rank). Tests and benchmarks use it to control the processes directly
+    (torchrun would tear the job down on the first failure before we can observe it).
     Output of rank r goes to log_dir/rank{r}.{out,err} when log_dir is given."""
+    import torch.distributed as dist
+
     port = free_port()
+    _STORES.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
     procs = []
     for r in range(nproc):
         e = dict(os.environ, **(env or {}))
@@ -194,6 +202,7 @@ def launch_local(
             GROUP_RANK="0",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
         )
         if run_id:
             e["DFLASH_RUN_ID"] = run_id
@@ -225,8 +234,9 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[int | 
 # ----------------------------------------------------------------------------- stream instruments
 @dataclass
 class Fault:
-    """DFLASH_FAULT="kind@rank:step[,...]" makes worker `rank` die (SIGKILL), hang, or put NaN
-    into one sample's aux states when it produces a micro-batch of `step`."""
+    """DFLASH_FAULT="kind@rank:step[,...]" makes worker `rank` die (SIGKILL), hang, stop
+    (SIGSTOP) or put NaN into one sample's aux states when it produces a micro-batch of `step`;
+    trainer `rank` die, hang or stop when it receives one."""
 
     kind: str
     step: int
@@ -248,12 +258,15 @@ class Fault:
         if self.kind == "hang":
             while True:
                 time.sleep(3600)
+        if self.kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return tb
         if self.kind == "nan":
             aux = tb.aux_NTF.clone()
             aux[0, 1, 0] = float("nan")
             self.step = -1  # once
             return dataclasses.replace(tb, aux_NTF=aux)
-        raise ValueError(f"DFLASH_FAULT kind {self.kind!r}: use die, hang or nan")
+        raise ValueError(f"DFLASH_FAULT kind {self.kind!r}: use die, hang, stop or nan")
 
 
 class InstrumentTap(wire.StreamTap):
@@ -271,6 +284,8 @@ class InstrumentTap(wire.StreamTap):
 
     def received(self, g: int, tb: TargetBatch, **where) -> None:
         self._dump("recv", g, tb, **where)
+        if self.fault is not None and self.fault.kind != "nan":
+            self.fault.apply(tb, where["step"])
 
     def _dump(self, kind: str, g: int, tb: TargetBatch, **where) -> None:
         if not self.dump_dir:

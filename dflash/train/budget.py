@@ -11,7 +11,9 @@ window used instead of the step count, so a budgeted run always reaches the end 
 The clock starts when `dflash` is first imported (the launcher imports it first thing) and is
 saved in every checkpoint: a resumed run counts the time its earlier part spent up to the
 checkpoint (the minutes between the interruption and the resume are not counted; what ran after
-the checkpoint is redone and counted again).
+the checkpoint is redone and counted again). A resume may change the budget: the schedule goes on
+from the fraction it had reached and spreads the rest over what the new budget leaves, so the
+learning rate continues without a jump.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class TimeBudget:
         self.prior_s = 0.0  # spent by earlier parts of the run (from the checkpoint)
         self.train_t0: float | None = None  # run time when training started
         self._longest: dict[str, float] = {}  # longest eval / save seen
+        # (run time, progress) where a resume changed the budget: progress continues from there
+        self._rebase: tuple[float, float] | None = None
 
     def now(self) -> float:
         return self._now()
@@ -78,10 +82,13 @@ class TimeBudget:
     def progress(self) -> float:
         """Fraction of the training window used: 0 when training starts, 1 when it must end."""
         t0 = self.train_t0 if self.train_t0 is not None else self.elapsed()
+        p0 = 0.0
+        if self._rebase is not None:
+            t0, p0 = self._rebase
         window = self.total_s - self.reserve_s - t0
-        if window <= 0:
+        if window <= 0 or p0 >= 1.0:
             return 1.0
-        return min(1.0, max(0.0, (self.elapsed() - t0) / window))
+        return min(1.0, max(0.0, p0 + (1.0 - p0) * (self.elapsed() - t0) / window))
 
     def done(self) -> bool:
         return self.progress() >= 1.0
@@ -91,6 +98,8 @@ class TimeBudget:
             "elapsed_s": self.elapsed(),
             "train_t0": self.train_t0,
             "longest": dict(self._longest),
+            "total_s": self.total_s,
+            "rebase": self._rebase,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -99,6 +108,13 @@ class TimeBudget:
         self.prior_s = float(state["elapsed_s"])
         self.train_t0 = state["train_t0"]
         self._longest = {k: float(v) for k, v in state["longest"].items()}
+        self._rebase = tuple(state["rebase"]) if state.get("rebase") else None
+        saved_total = float(state.get("total_s", self.total_s))
+        if saved_total != self.total_s:  # train.time_budget_min changed on resume
+            mine, self.total_s = self.total_s, saved_total
+            reached = self.progress()  # where the checkpoint's own budget had got to
+            self.total_s = mine
+            self._rebase = (self.prior_s, reached)
 
 
 _PHASES: list[tuple[str, float]] = []  # this run's (phase, monotonic time it ended)

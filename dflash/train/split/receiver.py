@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...common.comm import EXIT_PIPELINE, PeerError, RankContext, die, recv_message
+from ...common.interrupt import stop_signal
 from ...config import RunConfig
 from ...data.batch import TargetBatch
 from ...data.stream import SampleStream
@@ -96,10 +97,15 @@ class StreamedBatchSource:
             )
             if ctx.root_cause is None:
                 ctx.root_cause = self.error
+            if stop_signal() is not None:  # the workers end with a stop: the loop is saving
+                return
             # The main thread raises it at its next next_batches(); if it is blocked elsewhere
             # (a collective with another trainer), end the process from here.
             time.sleep(min(5.0, topo.timeout_s))
-            die(f"[rank {ctx.rank} trainer] pipeline stopped: {self.error}", EXIT_PIPELINE)
+            die(
+                f"[rank {ctx.rank} trainer] pipeline stopped: {ctx.explain(self.error)}",
+                EXIT_PIPELINE,
+            )
 
     def _get(self):
         while True:

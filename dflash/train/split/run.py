@@ -10,9 +10,12 @@ from .worker import run_worker
 
 
 def run_split(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> None:
-    dp_group = new_group(roles.trainer_ranks)  # collective: every rank creates it
+    # collectives: every rank creates them. Their waits are bounded like the job's own group's
+    # (a library default would wait 30 min in the DDP all-reduce for a stopped trainer)
+    timeout = ctx.collective_timeout
+    dp_group = new_group(roles.trainer_ranks, timeout=timeout)
     # the trainers' stop flags agree on the host (gloo), not through the step's stream
-    ctrl_group = new_group(roles.trainer_ranks, backend="gloo")
+    ctrl_group = new_group(roles.trainer_ranks, backend="gloo", timeout=timeout)
     if ctx.rank < roles.num_workers:
         run_worker(cfg, run_dir, ctx, roles)
     else:

@@ -9,6 +9,7 @@ import time
 import torch
 
 from ...common.comm import Outbox, RankContext
+from ...common.interrupt import StopRequest
 from ...config import RunConfig
 from ...data.dataset import load_or_build_dataset
 from ...data.mix import data_figures
@@ -54,7 +55,10 @@ def run_worker(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> 
         check_same_samples(samples, info["digest"], ctx.rank)
     start = ctx.broadcast_object(None, src=roles.trainer_rank(0))
     sched = Schedule.from_config(cfg, roles, start["step"], start["position"])
-    stats = produce(cfg, ctx, roles, sched, target, samples)
+    # Ctrl-C / SIGTERM reach every rank: the trainers finish their step and save, so a worker
+    # keeps producing (their step may still need its batches) and ends when they have gone
+    with StopRequest("producing until the trainers have saved and stopped"):
+        stats = produce(cfg, ctx, roles, sched, target, samples)
     wall = time.perf_counter() - stats.t0
     say(
         f"done: {stats.batches} micro-batches, {stats.tokens} tokens in {wall:.1f} s "
