@@ -43,7 +43,10 @@ def test_help_and_docs_show_what_the_default_job_runs():
         ("drafter.block_size", "[default: 8; drafter=qwen3_6_27b: 16]"),
         ("drafter.num_layers", "[default: 2; drafter=qwen3_6_27b: 5]"),
         ("run_name", "[default: smoke-<run id: a timestamp>]"),
-        ("data.response_len", "[default: 64; data=jsonl: 2048; data=stdlib: 128]"),
+        (
+            "data.response_len",
+            "[default: 64; data=jsonl: 2048; data=sharegpt: 256; data=stdlib: 128]",
+        ),
     ]:
         (line,) = [ln for ln in text.splitlines() if ln.startswith(f"  {key} ")]
         assert line.endswith(shown), line

@@ -261,4 +261,7 @@ def test_empty_prompts_are_counted_and_skipped_in_one_line(tmp_path, capsys):
         '{"messages": [{"role": "user", "content": " "}]}\n{"prompt": "b"}\n'
     )
     assert text_prompts(DataConfig(source="jsonl", paths=[str(f)])) == ["a", "b"]
-    assert capsys.readouterr().out == f"data: 3 empty prompts in {f} skipped\n"
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(
+        f"data: skipped 3 rows of ['{f}'] (empty turn: 3"
+    )

@@ -21,11 +21,13 @@ def _readme_commands() -> list[str]:
 
 
 def test_fast_tier_passes_without_the_optional_extras(tmp_path):
-    """The tests that name an extra run with that extra missing (an importable shadow package
-    that fails on import, as a missing install does): they pass or skip, none fails."""
-    for module in EXTRAS.values():
-        (tmp_path / module).mkdir()
-        (tmp_path / module / "__init__.py").write_text(f"raise ImportError('{module} hidden')\n")
+    """The fast tests of every file that names an extra run with that extra missing (hidden
+    as a missing install hides it): they pass or
+    skip saying which extra, none fails."""
+    # as a missing install: `import deepspeed` fails and importlib.util.find_spec finds nothing
+    # (accelerate probes with find_spec before it imports)
+    hide = "".join(f"sys.modules[{m!r}] = None\n" for m in EXTRAS.values())
+    (tmp_path / "sitecustomize.py").write_text("import sys\n" + hide)
     files = sorted(
         os.path.join("tests", f)
         for f in os.listdir(os.path.join(ROOT, "tests"))
@@ -35,16 +37,18 @@ def test_fast_tier_passes_without_the_optional_extras(tmp_path):
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-k", " or ".join(EXTRAS), *files],
+        [sys.executable, "-m", "pytest", "-q", "-rs", *files],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
-    assert r.returncode == 0, r.stdout[-3000:]
-    for name in EXTRAS:
-        assert f"needs the {name} extra: pip install 'dflash[{name}]'" in r.stdout, r.stdout[-3000:]
+    assert files and r.returncode == 0, r.stdout[-3000:]
+    for name in EXTRAS:  # a skip says which extra it needs
+        for line in r.stdout.splitlines():
+            if line.startswith("SKIPPED") and name in line:
+                assert f"needs the {name} extra: pip install 'dflash[{name}]'" in line, line
 
 
 def test_ci_runs_the_readme_install_line_before_adding_extras():

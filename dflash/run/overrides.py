@@ -105,7 +105,11 @@ def check_value(override: str, key: str, typ) -> None:
     if parsed.is_sweep_override():
         return
     try:
-        OmegaConf.update(OmegaConf.structured(RunConfig), key, parsed.value(), merge=False)
+        value = parsed.value()
+        # a list of mappings becomes the schema's dataclass items (eval.sets, data.mix) by a
+        # merge, as Hydra's own composition does; anything else is assigned
+        merge = isinstance(value, list) and any(isinstance(v, dict) for v in value)
+        OmegaConf.update(OmegaConf.structured(RunConfig), key, value, merge=merge)
     except OmegaConfBaseException:
         union = typing.get_origin(typ) in (typing.Union, types.UnionType)
         args = typing.get_args(typ) if union else (typ,)
