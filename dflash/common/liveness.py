@@ -129,9 +129,6 @@ class Liveness:
         now = time.monotonic()
         return [r for r, (_, t) in self.seen.items() if now - t >= self.check_s + 2 * self.beat_s]
 
-    def exited(self) -> dict[int, str]:
-        return self._read()[1]
-
     def describe(self, silent: list[int]) -> str:
         names = ", ".join(self.name(r) for r in silent)
         verb = "is" if len(silent) == 1 else "are"

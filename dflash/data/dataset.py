@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..config import DataConfig, TargetConfig
 from .batch import Sample
+from .files import drop_held_reads
 from .shards import ResponseShards, atomic_torch_save, pack_samples, unpack_samples
 
 
@@ -268,12 +269,15 @@ def load_or_build_dataset(
 
     check_training_sources(dcfg)
     path = dataset_path(dcfg, tcfg, cache_dir)
-    if os.path.exists(path):
-        samples = load_samples(path)
-        log(f"data: {len(samples)} samples from cache {path}")
-        _log_mix(samples, dcfg, log)
-        return samples
-    return regenerate_dataset(dcfg, tcfg, target, path, log)
+    try:
+        if os.path.exists(path):
+            samples = load_samples(path)
+            log(f"data: {len(samples)} samples from cache {path}")
+            _log_mix(samples, dcfg, log)
+            return samples
+        return regenerate_dataset(dcfg, tcfg, target, path, log)
+    finally:
+        drop_held_reads()  # a cached dataset never takes preflight's read
 
 
 def regenerate_dataset(

@@ -9,6 +9,7 @@ json) or row (Arrow tables) and what the row should hold, before any model runs 
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import json
@@ -28,8 +29,40 @@ def text_prompts(cfg: DataConfig, log=print) -> list:
     return [c.prompt(cfg.turns) for c in read_conversations(cfg, log)]
 
 
-def read_conversations(cfg: DataConfig, log=print) -> list[Conversation]:
-    return list(iter_conversations(cfg, log))
+def read_conversations(cfg: DataConfig, log=print, keep: bool = False) -> list[Conversation]:
+    """keep: the read is held for the run's own read of the same files (preflight reads the
+    prompt files before the target loads; the run then takes that read, once, instead of
+    parsing the files again). A held read is handed over with the lines it logged."""
+    key = _read_key(cfg)
+    held = _HELD.pop(key, None) if key else None
+    if held is None:
+        lines: list[str] = []
+        held = (list(iter_conversations(cfg, lines.append)), lines)
+    convs, lines = held
+    if keep and key:
+        _HELD[key] = held
+    else:
+        for line in lines:
+            log(line)
+    return list(convs)
+
+
+_HELD: dict = {}  # preflight's reads, each taken by the run's first read of the same files
+
+
+def drop_held_reads() -> None:
+    _HELD.clear()
+
+
+def _read_key(cfg: DataConfig) -> str | None:
+    """The read's config and the files' size and mtime; None for other sources."""
+    if cfg.source not in ("jsonl", "parquet"):
+        return None
+    try:
+        stamps = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in resolve_paths(cfg.paths)]
+    except (FileNotFoundError, OSError):
+        return None
+    return json.dumps([dataclasses.asdict(cfg), stamps], sort_keys=True, default=str)
 
 
 def iter_conversations(cfg: DataConfig, log=print) -> Iterator[Conversation]:

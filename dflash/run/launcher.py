@@ -71,7 +71,7 @@ def _launch(cfg, overrides: list[str] | None) -> None:
         rank, world, _ = launcher_env()
         distributed = rc.topology.mode == "split" or world > 1
         roles = Roles.from_topology(rc.topology, world) if distributed else None
-        check_run(rc)
+        check_run(rc, hold_reads=rank == 0)  # rank 0 builds the data (colocated and split)
         if refused := live_owner(os.path.join(rc.out_root, rc.run_name)):
             raise ValueError(refused)  # before plan_run's own refusals: the owner is the news
         plan = plan_run(rc, os.path.join(rc.out_root, rc.run_name), named=names_run(cfg))

@@ -21,11 +21,12 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 
 
-def check_run(cfg: RunConfig) -> None:
+def check_run(cfg: RunConfig, hold_reads: bool = False) -> None:
     """Everything train.py can check before the target loads (the resume checkpoint is found
-    and checked by `rundir.plan_run`, which runs next)."""
+    and checked by `rundir.plan_run`, which runs next). hold_reads: this process builds the
+    data, so the prompt files it reads are held for that (read once, not twice)."""
     check_target_resources(cfg.target)
-    check_files(cfg)
+    check_files(cfg, hold_reads)
     check_dist(cfg)
 
 
@@ -44,7 +45,7 @@ def check_dist(cfg: RunConfig) -> None:
             ) from None
 
 
-def check_files(cfg: RunConfig) -> None:
+def check_files(cfg: RunConfig, hold_reads: bool = False) -> None:
     if cfg.target.path is not None and not os.path.exists(os.path.expanduser(cfg.target.path)):
         hint = ""
         if cfg.target.gguf_file:  # the small real targets: a GGUF the fetch script brings
@@ -76,7 +77,7 @@ def check_files(cfg: RunConfig) -> None:
     from ..eval.heldout import check_eval_sets
 
     check_eval_sets(cfg)
-    check_prompt_files(cfg)
+    check_prompt_files(cfg, hold_reads)
 
 
 def _hub_name(p: str) -> bool:
@@ -84,21 +85,23 @@ def _hub_name(p: str) -> bool:
     return not os.path.isabs(p) and not p.startswith((".", "~")) and not os.path.exists(p)
 
 
-def check_prompt_files(cfg: RunConfig) -> None:
+def check_prompt_files(cfg: RunConfig, hold_reads: bool = False) -> None:
     """Read and check every prompt row of the local prompt files now (bad JSON, a binary file,
     wrong fields, a parquet source that is not parquet, no rows at all): minutes before the
     target would have loaded."""
     from ..data.files import read_conversations
-    from ..data.mix import source_config
+    from ..data.mix import mix_quotas, source_config
+
+    def check(dcfg):  # held for the run's read of the same rows
+        read_conversations(dcfg, log=lambda *_: None, keep=hold_reads)
 
     local = ("jsonl", "parquet")
     if cfg.data.source in local:
-        read_conversations(cfg.data, log=lambda *_: None)
-    for m in cfg.data.mix:
-        if m.source in local:
-            read_conversations(
-                source_config(cfg.data, m, cfg.data.num_samples), log=lambda *_: None
-            )
+        check(cfg.data)
+    quotas = mix_quotas([m.weight for m in cfg.data.mix], cfg.data.num_samples)
+    for m, q in zip(cfg.data.mix, quotas):
+        if m.source in local and q:
+            check(source_config(cfg.data, m, q))  # the rows training reads of this source
     source = cfg.eval.source or cfg.data.source
     if cfg.eval.enabled and cfg.eval.paths and source in local:
         ecfg = dataclasses.replace(
