@@ -149,6 +149,7 @@ def test_each_group_validates_itself(group, kwargs, match):
     [
         ("train.loss=soft_kl", "allow_soft_loss"),
         ("target.linear_attn_backend=cuda", "linear_attn_backend"),
+        ("target.compile_gdn=whole", "target.compile_gdn"),
         ("drafter.layer_types=[full_attention]", "layer_types"),
         ("train.dtype=float8", "train.dtype"),
         ("train.gamma=0", "train.gamma"),

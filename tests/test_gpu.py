@@ -235,6 +235,52 @@ def test_capture_graphs_equal_one_sample_per_row_on_cuda(dtype, compiled):
     assert layers is None or not layers.failed
 
 
+@pytest.mark.parametrize("gdn", ["mlp", "layer"])
+def test_gated_deltanet_target_on_fla_conv1d_and_compiled_layers_on_cuda(gdn):
+    """A fla-bound hybrid target: transformers' causal_conv1d_fn runs fla's Triton conv1d (the
+    torch fallback's aux states and labels), and target.compile_layers with compile_gdn=mlp or
+    layer gives the eager capture with the fla kernels still bound (layer: called outside the
+    compiled graphs)."""
+    import sys
+
+    from dflash.data.batch import Sample, collate, target_forward
+    from dflash.target.linear_attn import linear_attn_report
+    from dflash.target.load import load_target
+
+    require_fla()
+    over = MECHANISM_OVERRIDES["tiny_qwen3_5"]
+    cfg = target_cfg(
+        "tiny_qwen3_5", device="cuda", dtype="float32", compile_layers=True, compile_gdn=gdn, **over
+    )
+    t = load_target(cfg, num_aux=3)
+    mod = sys.modules[type(t.model).__module__]
+    report = linear_attn_report(mod)
+    assert report["causal_conv1d_fn"].startswith("fla (fla.modules"), report
+    assert report["chunk_gated_delta_rule"].startswith("fla ("), report
+    # the op on transformers' layout ([B, D, T], a transposed view) against a grouped conv
+    x = torch.randn(2, 37, 96, device="cuda").transpose(1, 2)
+    w, bias = torch.randn(96, 4, device="cuda"), torch.randn(96, device="cuda")
+    want = torch.nn.functional.conv1d(x, w[:, None], bias, padding=3, groups=96)[..., :37]
+    got = mod.causal_conv1d_fn(x, w, bias, activation="silu")
+    torch.testing.assert_close(got, torch.nn.functional.silu(want), atol=1e-4, rtol=1e-4)
+    g = torch.Generator().manual_seed(0)
+    samples = [
+        Sample(i, torch.randint(0, 500, (n,), generator=g), torch.arange(n) >= n // 2)
+        for i, n in enumerate([150, 64, 97])
+    ]
+    batch = collate(samples, pad_id=0)
+    layers, t.compiled_layers = t.compiled_layers, None
+    fla_eager = target_forward(t, batch)
+    t.compiled_layers = layers
+    compiled = target_forward(t, batch)
+    assert not layers.failed
+    real = batch.segment_ids_NT.cuda() >= 0
+    torch.testing.assert_close(
+        compiled.aux_NTF[real], fla_eager.aux_NTF[real], atol=1e-4, rtol=1e-4
+    )
+    assert torch.equal(compiled.next_token_NT[real], fla_eager.next_token_NT[real])
+
+
 @pytest.mark.parametrize("label_sampling", ["all", "by_weight"])
 def test_colocated_step_never_waits_for_the_gpu(label_sampling):
     """After warm-up (kernel compiles, graph capture, the packed-capture check), a colocated

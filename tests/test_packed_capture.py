@@ -320,3 +320,101 @@ def test_pack_check_counts_near_ties_as_agreeing_in_bf16_only(capsys):
         far.view(-1)[gap.flatten().argsort()[-5:]] = True  # the 5 clearest decisions
         assert not check(torch.bfloat16, torch.where(far, top2.indices[..., 1], ref_lab))
         assert not check(torch.float32, packed_lab)  # fp32: no tolerance for flips
+
+
+# ----------------------------------------------------------------------------- Gated-DeltaNet kernels
+def _gdn_module(target):
+    import sys
+
+    return sys.modules[type(target.model).__module__]
+
+
+def _conv_to_fla_contract(calls):
+    """A torch stand-in for fla's `causal_conv1d` contract (x [B, T, D], weight [D, W] ->
+    (y [B, T, D], state)), written tap by tap in the [B, T, D] layout: the CPU has no Triton."""
+
+    def causal_conv1d(x, weight, bias=None, activation=None, cu_seqlens=None):
+        B, T, D = x.shape
+        assert weight.shape[0] == D and cu_seqlens is None
+        calls.append(tuple(x.shape))
+        W = weight.shape[1]
+        y = torch.zeros(B, T, D, dtype=torch.float32)
+        for w in range(W):  # y[t] = sum_w weight[:, w] * x[t - (W - 1) + w]
+            shift = W - 1 - w
+            y[:, shift:] += weight[:, w].float() * x[:, : T - shift].float()
+        if bias is not None:
+            y += bias.float()
+        if activation in ("silu", "swish"):
+            y = torch.nn.functional.silu(y)
+        return y.to(x.dtype), None
+
+    return causal_conv1d
+
+
+def test_fla_conv1d_binding_gives_the_fallback_capture(monkeypatch):
+    """linear_attn.use_fla_conv1d: transformers' causal_conv1d_fn ([B, D, T] views) bound to a
+    kernel of fla's contract ([B, T, D]) gives the torch fallback's aux states and labels, and the
+    report names the kernel. (On the GPU, tests/test_gpu.py holds the real fla kernel.)"""
+    from dflash.target.linear_attn import linear_attn_report, use_fla_conv1d
+
+    target = get_target("tiny_qwen3_5")
+    mod = _gdn_module(target)
+    batch = collate(_samples(target.vocab_size), pad_id=0)
+    ref = target_forward(target, batch)
+    calls = []
+    monkeypatch.setattr(mod, "causal_conv1d_fn", mod.causal_conv1d_fn)  # restored after the test
+    assert use_fla_conv1d(mod, kernel=_conv_to_fla_contract(calls))
+    assert not use_fla_conv1d(mod, kernel=_conv_to_fla_contract(calls))  # bound already
+    assert linear_attn_report(mod)["causal_conv1d_fn"].startswith("fla (")
+    got = target_forward(target, batch)
+    n_gdn = sum(hasattr(layer, "linear_attn") for layer in target.decoder_layers())
+    assert len(calls) == n_gdn > 0 and all(c[1] == batch.input_ids_NT.shape[1] for c in calls)
+    torch.testing.assert_close(got.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.next_token_NT, ref.next_token_NT)
+
+
+def test_whole_gated_deltanet_layers_compile_around_their_kernels(monkeypatch):
+    """target.compile_gdn=layer: a Gated-DeltaNet layer compiled whole calls its kernel ops
+    outside the traced graph (as the eager forward does, with real tensors) once
+    kernels_outside_compile has made them opaque; without it, dynamo traces into the op (the
+    27B worker then ran the torch fallback). Same aux states and labels as eager."""
+    from dflash.target.linear_attn import kernels_outside_compile
+
+    target = get_target("tiny_qwen3_5")
+    mod = _gdn_module(target)
+    batch = collate(_samples(target.vocab_size), pad_id=0)
+    ref = target_forward(target, batch)
+    fallback = mod.torch_chunk_gated_delta_rule
+    assert kernels_outside_compile(mod) == []  # torch fallbacks stay traceable
+
+    def run(opaque: bool):
+        seen = []
+
+        def kernel(*args, **kwargs):  # stands for a fla kernel bound by transformers
+            seen.append(torch.compiler.is_compiling())
+            return fallback(*args, **kwargs)
+
+        kernel._dflash_kernel, kernel._dflash_kernel_name = "fla", "test.kernel"
+        monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", kernel)
+        if opaque:
+            assert "torch_chunk_gated_delta_rule" in kernels_outside_compile(mod)
+        units = CompiledLayers.units(target, "layer")
+        assert [type(u).__name__ for u in units].count("Qwen3_5DecoderLayer") == target.num_layers
+        monkeypatch.setattr(CompiledLayers, "BACKEND", "eager")
+        torch._dynamo.reset()
+        target.compiled_layers = compiled = CompiledLayers(units)
+        try:
+            got = target_forward(target, batch)
+        finally:
+            target.compiled_layers = None
+        assert not compiled.failed
+        torch.testing.assert_close(got.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got.next_token_NT, ref.next_token_NT)
+        return seen
+
+    assert any(run(opaque=False))  # traced into: what happened to the 27B layers
+    seen = run(opaque=True)
+    n_gdn = sum(hasattr(layer, "linear_attn") for layer in target.decoder_layers())
+    assert len(seen) == n_gdn and not any(seen)  # each called once, eagerly
+    with pytest.raises(ValueError, match="compile_gdn='whole'; choose mlp or layer"):
+        CompiledLayers.units(target, "whole")

@@ -42,6 +42,9 @@ class TargetConfig:
     packed_capture: bool = True
     capture_graphs: bool = True  # CUDA, full-attention SDPA targets: packed capture as CUDA graphs
     compile_layers: bool = False  # CUDA: decoder layers torch.compiled for the clean capture
+    # What compile_layers compiles of a Gated-DeltaNet layer: mlp (its MLP) or layer (the whole
+    # layer, its fla kernels called outside the compiled graphs)
+    compile_gdn: str = "mlp"
     # Drafter mask token (a special id that never occurs in text). None: the tokenizer's mask
     # token, or vocab_size-1 for tokenizer-less random targets.
     mask_token_id: int | None = None
@@ -54,6 +57,7 @@ class TargetConfig:
     def validate(self) -> None:
         check_choice("target.linear_attn_backend", self.linear_attn_backend, LINEAR_ATTN_BACKENDS)
         check_choice("target.dtype", self.dtype, DTYPES)
+        check_choice("target.compile_gdn", self.compile_gdn, ("mlp", "layer"))
         if self.path is None and self.config is None:
             raise ValueError(
                 f"target.path is not set (target={self.name}): set target.path=/path/to/the/"

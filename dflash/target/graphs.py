@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from .linear_attn import kernels_outside_compile
 from .regen import supports_static
 
 ROWS_TO = 2
@@ -108,8 +109,8 @@ class CaptureGraphs:
 
 
 class CompiledLayers:
-    """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes; a
-    Gated-DeltaNet layer's MLP only, see `units`),
+    """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes; of
+    a Gated-DeltaNet layer, its MLP or the whole layer: `units`),
     swapped in only for the clean capture: regeneration and eval decoding keep the eager layers
     (their static-cache steps would compile again for nothing). Per layer, so the aux taps
     (forward hooks on the layers) stay outside the compiled code. A compile error warns once and
@@ -122,23 +123,36 @@ class CompiledLayers:
         self.fns = [self._guarded(layer.forward) for layer in self.layers]
 
     @classmethod
-    def of(cls, target, enabled: bool):
+    def of(cls, target, enabled: bool, gdn: str = "mlp"):
         """CompiledLayers for a CUDA target when `enabled`, else None (CPU: eager, said once)."""
         if not enabled:
             return None
         if target.device.type != "cuda":
             print("note: target.compile_layers is for CUDA targets; this one runs eagerly")
             return None
-        return cls(cls.units(target))
+        return cls(cls.units(target, gdn))
 
     @staticmethod
-    def units(target) -> list:
-        """What gets compiled: each decoder layer, but only the MLP of a Gated-DeltaNet layer.
-        Compiled whole, a Gated-DeltaNet layer ran transformers' torch fallback instead of the
-        fla kernels (thousands of small fp32 bmm): the 27B worker's forward took 0.84 s instead
-        of 0.49 s eager on an H200 (torch 2.11, transformers 5.17, fla 0.6.0, 2026-12-05)."""
+    def units(target, gdn: str = "mlp") -> list:
+        """What gets compiled: each attention decoder layer whole; of a Gated-DeltaNet layer its
+        MLP (`gdn="mlp"`) or the whole layer (`"layer"`, its fla kernels called outside the
+        compiled graphs: linear_attn.kernels_outside_compile). Compiled whole with the kernels
+        traced, the 27B layers ran transformers' torch fallback instead of the fla kernels
+        (thousands of small fp32 bmm): 0.84 s a forward instead of 0.49 s eager on an H200
+        (torch 2.11, transformers 5.17, fla 0.6.0, 2026-12-05)."""
+        if gdn not in ("mlp", "layer"):
+            raise ValueError(f"target.compile_gdn={gdn!r}; choose mlp or layer")
+        if gdn == "layer" and target.backend == "fla":
+            mod = sys.modules.get(type(target.model).__module__)
+            if mod is not None and not kernels_outside_compile(mod):
+                raise ValueError(
+                    "target.compile_gdn=layer: the Gated-DeltaNet kernels could not be kept out "
+                    "of the compiled graphs; use target.compile_gdn=mlp"
+                )
         return [
-            layer.mlp if hasattr(layer, "linear_attn") and hasattr(layer, "mlp") else layer
+            layer.mlp
+            if gdn == "mlp" and hasattr(layer, "linear_attn") and hasattr(layer, "mlp")
+            else layer
             for layer in target.decoder_layers()
         ]
 

@@ -192,6 +192,8 @@ def _bound_implementation(fn, depth: int = 0):
 
 
 def _impl_kind(fn) -> str:
+    if getattr(fn, "_dflash_kernel", None):
+        return fn._dflash_kernel
     mod = getattr(fn, "__module__", "") or ""
     if mod.split(".")[0] == "fla":
         return "fla"
@@ -203,6 +205,8 @@ def _impl_kind(fn) -> str:
 
 
 def _qualname(fn) -> str:
+    if getattr(fn, "_dflash_kernel", None):
+        return fn._dflash_kernel_name
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', '?')}"
 
 
@@ -221,3 +225,91 @@ def check_bound_backend(model: nn.Module, backend: str) -> str:
             "module was imported before the backend was selected)"
         )
     return kind
+
+
+# The ops of a Gated-DeltaNet layer that run a fla (or causal_conv1d) kernel: module globals the
+# layer's forward looks up at each call.
+_KERNEL_GLOBALS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
+
+
+def conv1d_on_fla(kernel):
+    """transformers' `causal_conv1d_fn` contract (x [B, D, T] -> [B, D, T], weight [D, W], bias,
+    activation) on fla's Triton `causal_conv1d` (x [B, T, D] -> (y [B, T, D], final state)).
+    transformers' x is the transpose of the in-projection's [B, T, D] output, so the kernel reads
+    it without a copy, and the [B, D, T] view returned is transposed back the same way. `kernel` is
+    a parameter so the CPU tests can hold a torch function to fla's contract."""
+
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        y, _ = kernel(
+            hidden_states.transpose(1, 2),
+            weight,
+            bias,
+            activation=activation,
+            cu_seqlens=kwargs.get("cu_seq_lens_q"),
+        )
+        return y.transpose(1, 2)
+
+    causal_conv1d_fn._dflash_kernel = "fla"
+    causal_conv1d_fn._dflash_kernel_name = (
+        f"{getattr(kernel, '__module__', '?')}.{getattr(kernel, '__name__', '?')}"
+    )
+    return causal_conv1d_fn
+
+
+def use_fla_conv1d(mod, kernel=None) -> bool:
+    """Bind fla's Triton causal conv1d in a Gated-DeltaNet modeling module whose
+    `causal_conv1d_fn` fell back to torch (transformers looks for the `causal_conv1d` package
+    only; fla ships the same op). The torch fallback is a grouped `F.conv1d` on a transposed copy:
+    25 ms of each 4k-token forward of the 27B target (H200 profile, 2026-12-04). Returns whether
+    it bound (False: a kernel is bound already, or fla has no conv1d)."""
+    current = getattr(mod, "causal_conv1d_fn", None)
+    if current is None or _impl_kind(_bound_implementation(current)) != "torch fallback":
+        return False
+    if kernel is None:
+        try:
+            from fla.modules.causal_conv1d import causal_conv1d as kernel
+        except ImportError:
+            return False
+    bound = conv1d_on_fla(kernel)
+    bound._dflash_replaced = current  # the fallback, for benchmarks that time both
+    mod.causal_conv1d_fn = bound
+    return True
+
+
+def kernels_outside_compile(mod) -> list[str]:
+    """Make the kernel ops of a Gated-DeltaNet modeling module opaque to `torch.compile`: a
+    compiled layer breaks its graph around them and calls them as the eager forward does, so
+    compiling a whole Gated-DeltaNet layer fuses the norms, gates and MLP around the kernels
+    without tracing into them (compiled whole before, the 27B layers ran transformers' torch
+    fallback: 0.58x eager on an H200, 2026-12-05). Torch-fallback ops stay traceable. Idempotent;
+    returns the ops made opaque."""
+    done = []
+    for name in _KERNEL_GLOBALS:
+        fn = getattr(mod, name, None)
+        if fn is None:
+            continue
+        if getattr(fn, "_dflash_opaque", False):
+            done.append(name)
+            continue
+        if _impl_kind(_bound_implementation(fn)) == "torch fallback":
+            continue
+        opaque = torch.compiler.disable(fn)
+        opaque._dflash_opaque = True
+        setattr(mod, name, opaque)
+        done.append(name)
+    return done
+
+
+def prepare_fla_kernels(model: nn.Module) -> None:
+    """For a target bound to fla: fla's conv1d where transformers fell back to torch, and the
+    kernel ops opaque to torch.compile (`target.compile_layers` may then compile whole layers)."""
+    mod = sys.modules.get(type(model).__module__)
+    if mod is None or mod.__name__ not in _GDN_MODULES:
+        return
+    use_fla_conv1d(mod)
+    kernels_outside_compile(mod)

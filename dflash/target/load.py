@@ -13,7 +13,7 @@ import torch
 from ..config import TargetConfig
 from .capture import Target
 from .graphs import CompiledLayers
-from .linear_attn import check_bound_backend, select_linear_attn_backend
+from .linear_attn import check_bound_backend, prepare_fla_kernels, select_linear_attn_backend
 from .shape import default_layer_ids
 
 
@@ -187,9 +187,11 @@ def load_target(
     backend = select_linear_attn_backend(cfg.linear_attn_backend, device)
     model, tokenizer = load_hf_model(cfg, device, dtype)
     backend = check_bound_backend(model, backend)
+    if backend == "fla":
+        prepare_fla_kernels(model)
     num_layers = int(model.config.num_hidden_layers)
     ids = list(layer_ids) if layer_ids is not None else default_layer_ids(num_layers, num_aux)
     mtid = mask_token_id if mask_token_id is not None else cfg.mask_token_id
     target = Target(model, ids, tokenizer, mtid, backend, cfg.packed_capture, cfg.capture_graphs)
-    target.compiled_layers = CompiledLayers.of(target, cfg.compile_layers)
+    target.compiled_layers = CompiledLayers.of(target, cfg.compile_layers, cfg.compile_gdn)
     return target

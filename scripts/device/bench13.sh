@@ -27,7 +27,7 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       pack_profile $w ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
-    worker27b)  # carry .fla too (fla wheels): the forward eager vs target.compile_layers, profiled
+    worker27b)  # carry .fla too (fla wheels): eager (fla conv1d, and the torch one) vs compile_gdn=mlp|layer
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .fla/*.whl
       timeout 420 python3 benchmarks/bench_target.py --target qwen3_6_27b_random --backend fla \
         --seq 4096 --iters 3 --compile-layers --profile "$OUT/prof_$w" --out "$OUT/worker_27b.json"
