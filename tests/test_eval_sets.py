@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from conftest import ROOT, make_drafter
@@ -91,6 +92,29 @@ def test_a_heldout_slice_holds_only_conversations_training_does_not_read(tmp_pat
     check_eval_sets(rc)  # held-out slices are disjoint by construction
     with pytest.raises(ValueError, match=r"eval.sets\[chat\]: no held-out conversations left"):
         set_conversations(_rc(train, [held], num_samples=12), held)
+
+
+def test_the_last_rows_are_one_set_for_runs_that_train_on_different_shares(tmp_path):
+    """rows=last: the held-out set of a run that trains on the file's first rows and of a run
+    that trains on none of them is the same (the chat and the code recipe compare on it); the
+    first rows that are no training row move with the training share."""
+    chat = _rows(tmp_path / "chat.jsonl", range(12))
+    other = _rows(tmp_path / "other.jsonl", range(100, 110))
+    last = EvalSetConfig(
+        name="chat", source="jsonl", paths=[chat], heldout=True, num_prompts=3, rows="last"
+    )
+    on_chat, on_other = _rc(chat, [last], num_samples=8), _rc(other, [last])
+    assert [c.cid for c in set_conversations(on_chat, last)] == ["9", "10", "11"]
+    assert [c.cid for c in set_conversations(on_other, last)] == ["9", "10", "11"]
+    first = replace(last, rows="first")
+    assert [c.cid for c in set_conversations(on_chat, first)] == ["8", "9", "10"]
+    assert [c.cid for c in set_conversations(on_other, first)] == ["0", "1", "2"]
+    # not held out: the last rows as given, refused at start when training reads one of them
+    plain = replace(last, heldout=False)
+    assert [c.cid for c in set_conversations(on_other, plain)] == ["9", "10", "11"]
+    check_eval_sets(_rc(chat, [plain], num_samples=9))
+    with pytest.raises(ValueError, match=r"eval.sets\[chat\]: 1 of 3 conversations"):
+        check_eval_sets(_rc(chat, [plain], num_samples=10))
 
 
 def _fake_humaneval(root, n=3):
@@ -294,3 +318,28 @@ def test_a_heldout_slice_of_a_mixed_source_starts_after_that_sources_share(tmp_p
     # a mix names its eval prompts: refused at start without eval.sets or eval.source
     with pytest.raises(ValueError, match="data.source=mix: name the eval prompts with eval.sets"):
         check_eval_sets(RunConfig(data=rc.data, eval=EvalConfig()))
+
+
+def test_the_chat_recipe_and_a_code_run_judge_on_the_same_sharegpt_conversations(
+    tmp_path, monkeypatch
+):
+    """eval=code_and_chat: the ShareGPT set of +exp=qwen05_chat (which trains on the file's
+    first 14,000 conversations) and of a +exp=qwen05_coder run scored with it are the same
+    conversations (a stand-in file of the real one's size class: 14,100 rows)."""
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from dflash.run.cli import setup, typed
+
+    setup()
+    (tmp_path / "sharegpt").mkdir()
+    _rows(tmp_path / "sharegpt" / "sharegpt.jsonl", range(14_100))
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path))
+    sets = {}
+    for over in (["+exp=qwen05_chat"], ["+exp=qwen05_coder", "eval=code_and_chat"]):
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            rc = typed(compose("config", overrides=[*over, "data.code_dirs=[]"]))
+        (es,) = [s for s in rc.eval.sets if s.name == "sharegpt"]
+        sets[over[0]] = [c.cid for c in set_conversations(rc, es, lambda *_: None)]
+    assert sets["+exp=qwen05_chat"] == sets["+exp=qwen05_coder"]
+    assert sets["+exp=qwen05_chat"] == [str(i) for i in range(14_052, 14_100)]

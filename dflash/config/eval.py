@@ -23,6 +23,10 @@ class EvalSetConfig:
     # target's own greedy answers to the earlier ones
     turns: str = "first"
     num_prompts: int | None = None  # prompts of this set (None: eval.num_prompts)
+    # first | last: the set is the source's first or last rows (of those training does not use,
+    # when heldout). last: the same rows for runs that train on different shares of the file
+    # (training reads a file from its start), so their figures compare; it reads the whole file
+    rows: str = "first"
 
 
 @dataclass
@@ -85,6 +89,7 @@ class EvalConfig:
             check_choice(f"{key}.source", s.source, EVAL_SET_SOURCES)
             check_choice(f"{key}.format", s.format, FORMATS)
             check_choice(f"{key}.turns", s.turns, ("first", "each"))
+            check_choice(f"{key}.rows", s.rows, ("first", "last"))
             if s.source in ("jsonl", "parquet", "hf") and not s.paths:
                 raise ValueError(f"{key}.paths is empty for source={s.source}: name its files")
             if s.num_prompts is not None and s.num_prompts < 1:

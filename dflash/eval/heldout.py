@@ -4,6 +4,7 @@ content (a hash of its turns). Needs no model: train.py checks it before anythin
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 from ..config import FILE_SOURCES, EvalSetConfig, RunConfig
@@ -58,24 +59,24 @@ def set_data(cfg: RunConfig, es: EvalSetConfig, num: int):
 
 
 def set_conversations(cfg: RunConfig, es: EvalSetConfig, log=print) -> list[Conversation]:
-    """The set's conversations: its first rows, or (heldout) its first rows that are no
-    training conversation."""
+    """The set's conversations: its first (or, rows=last, last) rows; heldout: of the rows that
+    are no training conversation."""
     num = es.num_prompts or cfg.eval.num_prompts
-    if not es.heldout:
+    if es.rows == "first" and not es.heldout:
         return read_conversations(set_data(cfg, es, num), log)[:num]
-    seen = training_keys(cfg, _kinds(es.source))
-    out = []
+    seen = training_keys(cfg, _kinds(es.source)) if es.heldout else set()
+    kept = deque(maxlen=num if es.rows == "last" else None)
     for c in iter_conversations(set_data(cfg, es, 2**62), log):
         if not is_known(c, seen):
-            out.append(c)
-            if len(out) == num:
+            kept.append(c)
+            if es.rows == "first" and len(kept) == num:
                 break
-    if not out:
+    if not kept:
         raise ValueError(
             f"eval.sets[{es.name}]: no held-out conversations left in {list(es.paths)}: training "
             "reads every one of them; lower data.num_samples or give the set other files"
         )
-    return out
+    return list(kept)
 
 
 def check_eval_sets(cfg: RunConfig) -> None:
@@ -91,9 +92,7 @@ def check_eval_sets(cfg: RunConfig) -> None:
         return
     seen = training_keys(cfg)
     for es in explicit:
-        convs = read_conversations(
-            set_data(cfg, es, es.num_prompts or cfg.eval.num_prompts), lambda *_: None
-        )
+        convs = set_conversations(cfg, es, lambda *_: None)
         both = sum(is_known(c, seen) for c in convs)
         if both:
             raise ValueError(
