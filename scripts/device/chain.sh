@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # In the background, from /tmp/repo: train within a budget, then eval.py with real decoding (bf16,
-# RD prompts, default 5) and the fp32 check (3 prompts). Progress: /tmp/res/status; end: /tmp/res/done.
+# RD prompts, default 5), the chat-domain eval where ShareGPT was uploaded (eval=code_and_chat) and
+# the fp32 check (3 prompts). Progress: /tmp/res/status; end: /tmp/res/done.
 cd /tmp/repo && source scripts/device/env.sh
 # The GGUF -> transformers conversion runs before the clock (a user with the HF weights has no
 # such step); its time goes to the status file.
@@ -13,6 +14,12 @@ ck=$(ls -d /tmp/runs/main/checkpoints/step_* | tail -1)
 echo "ckpt $ck" >> /tmp/res/status
 python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
 echo "eval rc=$? $(date +%s)" >> /tmp/res/status
+if [ -f /tmp/a/sharegpt/sharegpt.jsonl ] && ! grep -q "override /eval: code_and_chat" conf/exp/$EXP.yaml; then
+  # the chat recipe's eval sets on this drafter: its ShareGPT figure on the same conversations
+  python3 eval.py ckpt=$ck eval=code_and_chat data.max_length=1024 out=/tmp/res/eval_chat.json \
+    > /tmp/res/eval_chat.out 2>&1
+  echo "eval_chat rc=$? $(date +%s)" >> /tmp/res/status
+fi
 if [ "${FP32:-1}" = 1 ]; then  # FP32=0: no fp32 check (saves ~1 min of GPU time)
   python3 eval.py ckpt=$ck eval.num_prompts=3 eval.real_decode_prompts=3 target.dtype=float32 \
     out=/tmp/res/eval32.json > /tmp/res/eval32.out 2>&1
