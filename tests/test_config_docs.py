@@ -53,3 +53,26 @@ def test_help_and_docs_show_what_the_default_job_runs():
     doc = render()
     assert "| `train.steps` | `int` | `200` |" in doc and "`train=v5`: `60000` |" in doc
     assert "| `drafter.block_size` | `int` | `8` |" in doc
+
+
+def test_a_composition_renders_the_help_only_when_the_command_line_asks(monkeypatch):
+    """OmegaConf resolves the help template at every composition that merges the hydra node
+    (every train.py / eval.py start): rendering it composes every group option (~1.5 s a start),
+    so it renders only under --help."""
+    import sys
+
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    import dflash.run.help as h
+    from dflash.run.cli import setup
+
+    setup()
+    calls = []
+    monkeypatch.setattr(h, "_render", lambda: calls.append(1) or "the help")
+    for argv, rendered in ((["train.py", "data=stdlib"], False), (["train.py", "--help"], True)):
+        monkeypatch.setattr(sys, "argv", argv)
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            cfg = compose("config", return_hydra_config=True)
+        assert bool(calls) == rendered, argv
+        assert (cfg.hydra.help.template == "the help") == rendered

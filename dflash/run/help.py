@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from .defaults import option_values, show
 from .overrides import CONF_DIR, groups
@@ -31,7 +32,12 @@ _rendering = []  # composing the defaults inside --help resolves the help templa
 
 
 def hydra_help() -> str:
-    """The help template's resolver: Hydra passes the text through string.Template."""
+    """The help template's resolver: Hydra passes the text through string.Template. OmegaConf
+    resolves it whenever a composition merges the hydra node (every train.py / eval.py start and
+    every compose after setup), and rendering composes every group option (~1.5 s): so only
+    when the command line asks for the help."""
+    if not any(a in ("--help", "-h") for a in sys.argv[1:]):
+        return "python train.py --help"
     return render_help().replace("$", "$$")
 
 
