@@ -392,6 +392,8 @@ def test_whole_gated_deltanet_layers_compile_around_their_kernels(monkeypatch):
 
         def kernel(*args, **kwargs):  # stands for a fla kernel bound by transformers
             seen.append(torch.compiler.is_compiling())
+            if torch.compiler.is_compiling():  # traced into (wrong): skip the slow fallback trace
+                return torch.zeros_like(kwargs.get("value", args[2])), None
             return fallback(*args, **kwargs)
 
         kernel._dflash_kernel, kernel._dflash_kernel_name = "fla", "test.kernel"
@@ -402,19 +404,22 @@ def test_whole_gated_deltanet_layers_compile_around_their_kernels(monkeypatch):
         assert [type(u).__name__ for u in units].count("Qwen3_5DecoderLayer") == target.num_layers
         monkeypatch.setattr(CompiledLayers, "BACKEND", "eager")
         torch._dynamo.reset()
-        target.compiled_layers = compiled = CompiledLayers(units)
+        # one Gated-DeltaNet layer compiled (dynamo's trace of a layer takes seconds on CPU)
+        first = next(u for u in units if hasattr(u, "linear_attn"))
+        target.compiled_layers = compiled = CompiledLayers([first])
         try:
             got = target_forward(target, batch)
         finally:
             target.compiled_layers = None
         assert not compiled.failed
-        torch.testing.assert_close(got.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
-        assert torch.equal(got.next_token_NT, ref.next_token_NT)
-        return seen
+        return seen, got
 
-    assert any(run(opaque=False))  # traced into: what happened to the 27B layers
-    seen = run(opaque=True)
+    seen, _ = run(opaque=False)
+    assert any(seen)  # traced into: what happened to the 27B layers
+    seen, got = run(opaque=True)
     n_gdn = sum(hasattr(layer, "linear_attn") for layer in target.decoder_layers())
-    assert len(seen) == n_gdn and not any(seen)  # each called once, eagerly
+    assert len(seen) == n_gdn and not any(seen)  # one call a layer, eager (compiled or not)
+    torch.testing.assert_close(got.aux_NTF, ref.aux_NTF, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got.next_token_NT, ref.next_token_NT)
     with pytest.raises(ValueError, match="compile_gdn='whole'; choose mlp or layer"):
         CompiledLayers.units(target, "whole")

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 # optional extras the README's install line leaves out -> the module a test would import
@@ -20,6 +21,7 @@ def _readme_commands() -> list[str]:
     return [c.strip() for c in first.split("&&")]
 
 
+@pytest.mark.slow  # ~1 min; CI runs the README's pytest before it installs the extras, too
 def test_fast_tier_passes_without_the_optional_extras(tmp_path):
     """The fast tests of every file that names an extra run with that extra missing (hidden
     as a missing install hides it): they pass or
