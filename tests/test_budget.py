@@ -159,6 +159,10 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
     assert fake_time.t <= 60.0  # the final eval fits in the budget
     rows = _rows(run_dir)
     assert any(r["step"] == last and "eval/tau" in r for r in rows)  # final eval
+    # each eval row on the budget clock, taken before the eval: the curves of tools.compare
+    evals = [(r["step"], r["time/run_min"] * 60) for r in rows if "eval/tau" in r]
+    assert [s for s, _ in evals] == [0, 4, 8, last]
+    assert [t for _, t in evals][1:3] == pytest.approx([3 + 16, 3 + 32 + 3])
     # the step's figures are read at log steps only, each with its timing and the interval's rate
     train_rows = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, last + 1))  # train.log_every=1

@@ -49,3 +49,54 @@ def test_runs_with_eval_sets_show_each_sets_tau(tmp_path):
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cells = [c.strip() for c in table([str(d)]).splitlines()[2].strip("|").split("|")]
     assert cells[-2] == "chat 2.500, code 3.250"
+
+
+def test_tau_at_minutes_and_the_curve_plot_follow_the_budget_clock(tmp_path):
+    """--at / --plot: an eval at a step without a clock of its own sits at the minutes its
+    neighbours' clocks put it at (linear between them); tau by M minutes is the last eval by
+    then, per eval set."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from dflash.common.plot import eval_curve
+
+    d = tmp_path / "long"
+    d.mkdir()
+    (d / "run_config.json").write_text(json.dumps({"run_name": "long", "train": {}}))
+    rows = [{"step": 0, "eval/code/tau": 1.0, "eval/chat/tau": 1.0, "time/run_min": 2.5}]
+    for step, minutes in ((1000, 10.0), (2000, 30.0), (3000, 60.0)):
+        rows.append(
+            {
+                "step": step,
+                "train/loss": 1.0,
+                "train/acc": 0.5,
+                "perf/tokens_per_s": 9.0,
+                "time/run_min": minutes,
+            }
+        )
+    rows += [
+        {"step": 1500, "eval/code/tau": 3.0, "eval/chat/tau": 2.0},  # 20 min (older runs:
+        {"step": 2500, "eval/code/tau": 4.0, "eval/chat/tau": 2.5},  # 45 min  no clock on
+        {"step": 3000, "eval/code/tau": 4.5, "eval/chat/tau": 2.75},  # 60 min  eval rows)
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert eval_curve(rows, "eval/code/tau") == ([2.5, 20.0, 45.0, 60.0], [1.0, 3.0, 4.0, 4.5])
+    out = table([str(d)], at=[20, 40, 60])
+    cells = [c.strip() for c in out.splitlines()[2].strip("|").split("|")]
+    assert cells[-3:] == [
+        "chat 2.000, code 3.000",
+        "chat 2.000, code 3.000",
+        "chat 2.750, code 4.500",
+    ]
+    png = tmp_path / "curve.png"
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash.tools.compare", str(d), "--at", "20,60", "--plot", str(png)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-1000:]
+    assert "tau @20 min" in r.stdout and png.stat().st_size > 10_000

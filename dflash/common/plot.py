@@ -2,7 +2,8 @@
 writes RUN_DIR/metrics.png at its end).
 
 Reads <run_dir>/metrics.jsonl (written by every run) and draws training loss / accuracy, eval
-streak / tau / DDTree acceptance, and throughput against the step."""
+streak / tau / DDTree acceptance, and throughput against the step; `plot_curves` draws the eval
+tau of several runs against their training minutes (`python -m dflash.tools.compare --plot`)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,64 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
     out = out or os.path.join(run_dir, "metrics.png")
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def run_minutes(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, minutes) of a run's rows: the budget clock (time/run_min, budgeted runs: training
+    time with the start-up phases it counts), else the logger's wall clock (`time`)."""
+    key = "time/run_min" if any("time/run_min" in r for r in rows) else "time"
+    scale = 1.0 if key == "time/run_min" else 1 / 60
+    return [(r["step"], r[key] * scale) for r in rows if r.get(key) is not None]
+
+
+def minutes_at(points: list[tuple[int, float]], step: int) -> float | None:
+    """A step's minutes, linear between the nearest rows that have a clock (None: no clock)."""
+    if not points:
+        return None
+    pts = sorted(points)
+    before = [p for p in pts if p[0] <= step]
+    after = [p for p in pts if p[0] >= step]
+    if not before:
+        return after[0][1]
+    if not after:
+        return before[-1][1]
+    (s0, m0), (s1, m1) = before[-1], after[0]
+    return m0 if s1 == s0 else m0 + (m1 - m0) * (step - s0) / (s1 - s0)
+
+
+def eval_curve(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(minutes, value) of an eval metric over a run."""
+    clock = run_minutes(rows)
+    steps, values = series(rows, key)
+    out = [(minutes_at(clock, s), v) for s, v in zip(steps, values)]
+    out = [(m, v) for m, v in out if m is not None]
+    return [m for m, _ in out], [v for _, v in out]
+
+
+def plot_curves(runs: list[tuple[str, list[dict]]], out: str, metric: str = "tau") -> str:
+    """Eval `metric` (chain tau; each eval set's too) of (label, rows) runs against minutes of
+    training, one line per run and set: what more GPU time buys."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, rows in runs:
+        keys = eval_set_keys(rows, metric) or [f"eval/{metric}"]
+        for key in keys:
+            xs, ys = eval_curve(rows, key)
+            name = label if key == f"eval/{metric}" else f"{label} {key.split('/')[1]}"
+            ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel("minutes of training (budget clock)")
+    ax.set_ylabel(metric)
+    ax.set_title(f"eval {metric} against training time")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

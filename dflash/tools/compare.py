@@ -4,6 +4,8 @@ For each run: the config keys that differ between the runs (the ablated settings
 step, its wall time (budgeted runs), its final eval (tau, the largest DDTree budget's tau@b),
 its last training accuracy and its median training throughput, as one markdown table. Runs of a
 sweep (`python train.py -m +exp=NAME drafter.num_layers=2,4 ...`) or any runs side by side.
+`--at 20,40,60`: each run's tau at those minutes of training too (its last eval by then);
+`--plot FILE.png`: every run's eval tau against its minutes of training, on one plot.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import statistics
 
 from ..common.layout import read_run_config
-from ..common.plot import load_metrics
+from ..common.plot import eval_curve, eval_set_keys, load_metrics, plot_curves
 
 
 def flat_config(run_dir: str) -> dict:
@@ -73,10 +75,29 @@ def summarize(run_dir: str) -> dict:
     return out
 
 
-def table(run_dirs: list[str]) -> str:
+def tau_by(rows: list[dict], minutes: float) -> dict[str, float]:
+    """set name ('' for the unnamed set) -> tau of the last eval at or before `minutes` of
+    training."""
+    out = {}
+    for key in eval_set_keys(rows, "tau") or ["eval/tau"]:
+        xs, ys = eval_curve(rows, key)
+        done = [y for x, y in zip(xs, ys) if x <= minutes + 1e-9]
+        if done:
+            out[key.split("/")[1] if key.count("/") == 2 else ""] = done[-1]
+    return out
+
+
+def label(run_dir: str, config: dict, keys: list[str]) -> str:
+    """A run's name and its differing settings (for plot legends)."""
+    name = os.path.basename(os.path.normpath(run_dir))
+    return name + (" (" + ", ".join(f"{k}={config.get(k)}" for k in keys) + ")" if keys else "")
+
+
+def table(run_dirs: list[str], at: list[float] = ()) -> str:
     configs = [flat_config(d) for d in run_dirs]
     keys = differing_keys(configs)
     head = ["run", *keys, "steps", "min", "epochs", "train acc", "tokens/s", "tau", "DDTree tau@b"]
+    head += [f"tau @{m:g} min" for m in at]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, c in zip(run_dirs, configs):
         s = summarize(d)
@@ -93,6 +114,10 @@ def table(run_dirs: list[str]) -> str:
             else ", ".join(f"{n} {v:.3f}" for n, v in sorted(s["set_tau"].items())),
             f"{s['tree'][1]:.3f} @{s['tree'][0]}" if s["tree"] else "-",
         ]
+        rows = load_metrics(d) if at else []
+        for m in at:
+            by = tau_by(rows, m)
+            cells.append(", ".join(f"{n} {v:.3f}".strip() for n, v in sorted(by.items())) or "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -105,16 +130,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (globs allowed)")
     ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument(
+        "--at", default="", help="comma-separated minutes: each run's tau by then (e.g. 20,40,60)"
+    )
+    ap.add_argument("--plot", default=None, help="PNG: every run's eval tau against minutes")
     a = ap.parse_args()
     dirs = [d for pat in a.runs for d in sorted(glob.glob(pat)) if os.path.isdir(d)]
     dirs = [d for d in dirs if os.path.isfile(os.path.join(d, "run_config.json"))]
     if not dirs:
         raise SystemExit(f"error: no run directories (with run_config.json) in {a.runs}")
-    text = table(dirs)
+    at = [float(m) for m in a.at.split(",") if m.strip()]
+    text = table(dirs, at)
     print(text, end="")
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
+    if a.plot:
+        configs = [flat_config(d) for d in dirs]
+        keys = differing_keys(configs)
+        runs = [(label(d, c, keys), load_metrics(d)) for d, c in zip(dirs, configs)]
+        print(f"plot: {plot_curves(runs, a.plot)}")
 
 
 if __name__ == "__main__":

@@ -64,9 +64,10 @@ def train_loop(
     if cfg.eval.enabled and trainer.step == 0:
         drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
     if evaluator is not None and trainer.step == 0:
+        clock = _clock(budget)
         with _timed(budget, "eval"):
             first_eval = evaluator.run(drafter, trainer.heads)
-        logger.log(first_eval, step=0)
+        logger.log({**first_eval, **clock}, step=0)
         _log_reports(logger, evaluator, 0)
         phase_done("step-0 eval")
     if fresh:
@@ -197,6 +198,12 @@ def _report_start(budget, logger: Logger) -> None:
     logger.info(msg)
 
 
+def _clock(budget) -> dict:
+    """An eval row's place on the budget clock (the drafter it scores had this much time):
+    `python -m dflash.tools.compare --at / --plot` read tau against minutes from it."""
+    return {"time/run_min": budget.elapsed() / 60.0} if budget is not None else {}
+
+
 def _timed(budget, kind: str):
     return budget.timed(kind) if budget is not None else contextlib.nullcontext()
 
@@ -301,9 +308,10 @@ def _step(
             logger.info(warning)
     drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
     if evaluator is not None and evaluate:
+        clock = _clock(budget)
         with _timed(budget, "eval"):
             ev = evaluator.run(drafter, trainer.heads)
-        logger.log(ev, step)
+        logger.log({**ev, **clock}, step)
         _log_reports(logger, evaluator, step)
         last.update(ev)
     shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
