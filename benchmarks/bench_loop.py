@@ -138,6 +138,26 @@ def make_samples(n: int, seq: int, vocab: int, mask_id: int, seed: int, min_len=
     return out
 
 
+def run_samples(path: str, n: int, seq: int, vocab: int, seed: int = 0) -> list:
+    """n samples of a run's dataset cache in a seeded order (as the run draws them), each no
+    longer than seq (the run's data.max_length) and within this target's vocabulary."""
+    from dflash.data.dataset import load_samples
+
+    pool = [s for s in load_samples(path) if s.input_ids.numel() <= seq]
+    if len(pool) < n:
+        raise SystemExit(f"error: {path} has {len(pool)} samples of <= {seq} tokens; need {n}")
+    order = torch.randperm(len(pool), generator=torch.Generator().manual_seed(seed))[:n]
+    out = []
+    for i, j in enumerate(order.tolist()):
+        s = pool[j]
+        out.append(dataclasses.replace(s, sample_id=i, input_ids=s.input_ids.clamp(max=vocab - 2)))
+    print(
+        f"samples: {n} of {len(pool)} from {path}, mean {sum(s.input_ids.numel() for s in out) / n:.0f}"
+        f" tokens, {sum(int(s.loss_mask.sum()) for s in out) / n:.0f} trained on"
+    )
+    return out
+
+
 def drafter_step_flops(spec, tb, prepared) -> float:
     """Model FLOPs of one train step (forward x 3), counting only visible attention pairs."""
     if isinstance(prepared, tuple):  # before the restructure
@@ -197,6 +217,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--min-len", type=int, default=None, help="shortest sample (default seq/2)")
+    ap.add_argument(
+        "--samples",
+        default=None,
+        help="a run's regenerated dataset (<run>/data/*.pt): its samples (lengths, loss masks, "
+        "tokens) instead of synthetic ones, in a seeded order; --seq: the run's data.max_length",
+    )
     ap.add_argument("--anchors", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -270,9 +296,12 @@ def main() -> None:
     tr = DrafterTrainer(drafter, Heads(target.embed_tokens, target.lm_head), TrainConfig(**tc), dev)
     peak = matmul_peak_tflops(dev)
     nb = 8  # distinct micro-batches, rotated
-    samples = make_samples(
-        nb * args.rows, args.seq, target.vocab_size, target.mask_token_id, 0, args.min_len
-    )
+    if args.samples:  # the real run's length and loss-mask distribution
+        samples = run_samples(args.samples, nb * args.rows, args.seq, target.vocab_size)
+    else:
+        samples = make_samples(
+            nb * args.rows, args.seq, target.vocab_size, target.mask_token_id, 0, args.min_len
+        )
     cpu_batches = [
         dbatch.collate(
             samples[i * args.rows : (i + 1) * args.rows],
@@ -457,6 +486,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "rows x seq (max)": f"{args.rows} x {args.seq}",
+        "samples": args.samples or "synthetic",
         "tokens_per_step": mean(tokens),
         "anchors_per_row": args.anchors,
         "drafter_params_M": num_params(drafter) / 1e6,

@@ -91,3 +91,29 @@ def test_bench_data_reads_and_encodes_conversations(tmp_path):
     assert res["conversations"] == 300 and res["user_turns_encoded"] > 300
     assert res["peak_rss_mb"] >= res["rss_before_mb"] and res["conversations_per_cpu_s"] > 0
     assert res["token_tables_mb"] > 0
+
+
+def test_bench_loop_replays_a_runs_samples(tmp_path):
+    """--samples: the loop timed on a run's own dataset cache (its lengths and loss masks), to
+    compare a real run's tokens/s with the bench at the same rows and anchors."""
+    import torch
+
+    from dflash.data.batch import Sample
+    from dflash.data.shards import atomic_torch_save, pack_samples
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i, n in enumerate([20, 33, 47, 60, 64, 200, 25, 41, 52, 38] * 2):  # 200: over --seq
+        lm = torch.arange(n) >= n // 3
+        samples.append(Sample(i, torch.randint(0, 5000, (n,), generator=g), lm))
+    path = tmp_path / "train-abc.pt"
+    atomic_torch_save(pack_samples(samples), str(path))
+    res = run_bench(
+        "bench_loop",
+        ["--target", "tiny", "--rows", "2", "--seq", "64", "--anchors", "8", "--steps", "1"]
+        + ["--warmup", "1", "--quick", "--samples", str(path)],
+        tmp_path,
+    )
+    assert res["samples"] == str(path) and res["loop_ms"] > 0
+    kept = [n for n in [20, 33, 47, 60, 64, 25, 41, 52, 38] for _ in range(2)]
+    assert min(kept) * 2 <= res["tokens_per_step"] <= max(kept) * 2

@@ -70,7 +70,7 @@ def open_session(
         logger.info(line)
     s = drafter.spec
     logger.info(
-        f"drafter: {num_params(drafter) / 1e6:.2f}M params, {s.num_hidden_layers} layers "
+        f"drafter: {s.variant}, {num_params(drafter) / 1e6:.2f}M params, {s.num_hidden_layers} layers "
         f"{s.layer_types}, block {s.block_size}, aux layers {s.target_layer_ids}, "
         f"mask token {s.mask_token_id}, loss {cfg.train.loss}"
     )

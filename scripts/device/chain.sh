@@ -20,6 +20,13 @@ if [ -f /tmp/a/sharegpt/sharegpt.jsonl ] && ! grep -q "override /eval: code_and_
     > /tmp/res/eval_chat.out 2>&1
   echo "eval_chat rc=$? $(date +%s)" >> /tmp/res/status
 fi
+if [ -n "${BENCH:-}" ]; then  # the loop bench on this run's own samples (same rows / anchors)
+  # BENCH="--target qwen2_5_coder_0_5b --rows 16 --seq 768 --anchors 64" (the recipe's shape)
+  python3 benchmarks/bench_loop.py $BENCH --samples "$(ls /tmp/runs/main/data/train-*.pt | head -1)" \
+    --steps 10 --warmup 3 --ab-rounds 2 --compile --fuse --label-sampling by_weight \
+    --compile-target --quick --out /tmp/res/bench_run_samples.json > /tmp/res/bench.out 2>&1
+  echo "bench rc=$? $(date +%s)" >> /tmp/res/status
+fi
 if [ "${FP32:-1}" = 1 ]; then  # FP32=0: no fp32 check (saves ~1 min of GPU time)
   python3 eval.py ckpt=$ck eval.num_prompts=3 eval.real_decode_prompts=3 target.dtype=float32 \
     out=/tmp/res/eval32.json > /tmp/res/eval32.out 2>&1
