@@ -98,23 +98,25 @@ def test_the_last_rows_are_one_set_for_runs_that_train_on_different_shares(tmp_p
     """rows=last: the held-out set of a run that trains on the file's first rows and of a run
     that trains on none of them is the same (the chat and the code recipe compare on it); the
     first rows that are no training row move with the training share."""
-    chat = _rows(tmp_path / "chat.jsonl", range(12))
+    # row 10 repeats row 2's content (ShareGPT repeats conversations under other ids): a
+    # training row for a run that reads the first 8 rows, not for one that reads none
+    chat = _rows(tmp_path / "chat.jsonl", range(12), lambda i: "q2" if i == 10 else f"q{i}")
     other = _rows(tmp_path / "other.jsonl", range(100, 110))
     last = EvalSetConfig(
         name="chat", source="jsonl", paths=[chat], heldout=True, num_prompts=3, rows="last"
     )
     on_chat, on_other = _rc(chat, [last], num_samples=8), _rc(other, [last])
-    assert [c.cid for c in set_conversations(on_chat, last)] == ["9", "10", "11"]
-    assert [c.cid for c in set_conversations(on_other, last)] == ["9", "10", "11"]
+    assert [c.cid for c in set_conversations(on_chat, last)] == ["8", "9", "11"]
+    assert [c.cid for c in set_conversations(on_other, last)] == ["8", "9", "11"]
     first = replace(last, rows="first")
-    assert [c.cid for c in set_conversations(on_chat, first)] == ["8", "9", "10"]
+    assert [c.cid for c in set_conversations(on_chat, first)] == ["8", "9", "11"]
     assert [c.cid for c in set_conversations(on_other, first)] == ["0", "1", "2"]
-    # not held out: the last rows as given, refused at start when training reads one of them
+    # not held out: the last rows as given (but repeats), refused at start when training reads one
     plain = replace(last, heldout=False)
-    assert [c.cid for c in set_conversations(on_other, plain)] == ["9", "10", "11"]
-    check_eval_sets(_rc(chat, [plain], num_samples=9))
+    assert [c.cid for c in set_conversations(on_other, plain)] == ["8", "9", "11"]
+    check_eval_sets(_rc(chat, [plain], num_samples=8))
     with pytest.raises(ValueError, match=r"eval.sets\[chat\]: 1 of 3 conversations"):
-        check_eval_sets(_rc(chat, [plain], num_samples=10))
+        check_eval_sets(_rc(chat, [plain], num_samples=9))
 
 
 def _fake_humaneval(root, n=3):
@@ -333,7 +335,12 @@ def test_the_chat_recipe_and_a_code_run_judge_on_the_same_sharegpt_conversations
 
     setup()
     (tmp_path / "sharegpt").mkdir()
-    _rows(tmp_path / "sharegpt" / "sharegpt.jsonl", range(14_100))
+    # row 14,090 repeats row 5 (a training conversation of the chat recipe only)
+    _rows(
+        tmp_path / "sharegpt" / "sharegpt.jsonl",
+        range(14_100),
+        lambda i: "question 5" if i == 14_090 else f"question {i}",
+    )
     monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path))
     sets = {}
     for over in (["+exp=qwen05_chat"], ["+exp=qwen05_coder", "eval=code_and_chat"]):
@@ -342,4 +349,4 @@ def test_the_chat_recipe_and_a_code_run_judge_on_the_same_sharegpt_conversations
         (es,) = [s for s in rc.eval.sets if s.name == "sharegpt"]
         sets[over[0]] = [c.cid for c in set_conversations(rc, es, lambda *_: None)]
     assert sets["+exp=qwen05_chat"] == sets["+exp=qwen05_coder"]
-    assert sets["+exp=qwen05_chat"] == [str(i) for i in range(14_052, 14_100)]
+    assert sets["+exp=qwen05_chat"] == [str(i) for i in range(14_051, 14_100) if i != 14_090]

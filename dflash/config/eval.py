@@ -24,8 +24,8 @@ class EvalSetConfig:
     turns: str = "first"
     num_prompts: int | None = None  # prompts of this set (None: eval.num_prompts)
     # first | last: the set is the source's first or last rows (of those training does not use,
-    # when heldout). last: the same rows for runs that train on different shares of the file
-    # (training reads a file from its start), so their figures compare; it reads the whole file
+    # when heldout). last, which skips rows repeating an earlier row: the same rows for runs that
+    # train on different shares of the file (read from its start); it reads the whole file
     rows: str = "first"
 
 

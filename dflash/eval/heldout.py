@@ -60,16 +60,23 @@ def set_data(cfg: RunConfig, es: EvalSetConfig, num: int):
 
 def set_conversations(cfg: RunConfig, es: EvalSetConfig, log=print) -> list[Conversation]:
     """The set's conversations: its first (or, rows=last, last) rows; heldout: of the rows that
-    are no training conversation."""
+    are no training conversation. rows=last also skips a row that repeats an earlier row of the
+    file (by id or content): training reads the file from its start, so a repeat near the end
+    may be a training row for one run and not for another; without repeats the last rows are one
+    set for every run whose training stops before them."""
     num = es.num_prompts or cfg.eval.num_prompts
     if es.rows == "first" and not es.heldout:
         return read_conversations(set_data(cfg, es, num), log)[:num]
     seen = training_keys(cfg, _kinds(es.source)) if es.heldout else set()
-    kept = deque(maxlen=num if es.rows == "last" else None)
+    last = es.rows == "last"
+    kept, earlier = deque(maxlen=num if last else None), set()
     for c in iter_conversations(set_data(cfg, es, 2**62), log):
-        if not is_known(c, seen):
+        repeat = last and is_known(c, earlier)
+        if last:
+            earlier |= conversation_keys([c])
+        if not repeat and not is_known(c, seen):
             kept.append(c)
-            if es.rows == "first" and len(kept) == num:
+            if not last and len(kept) == num:
                 break
     if not kept:
         raise ValueError(
