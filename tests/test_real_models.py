@@ -283,3 +283,26 @@ def test_smollm2_on_sharegpt_conversations_every_turn_and_per_set_eval(tmp_path)
     rep = json.load(open(out))["sets"]
     for name in ("humaneval", "sharegpt"):
         assert rep[name]["summary"]["tau"] == pytest.approx(last[f"eval/{name}/tau"], abs=1e-9)
+
+
+@pytest.mark.skipif(
+    not os.path.exists(SHAREGPT),
+    reason=f"{SHAREGPT} absent: run `bash ../shared/scripts/fetch_models.sh sharegpt`",
+)
+def test_the_chat_and_code_recipes_judge_on_the_same_48_sharegpt_conversations():
+    """eval=code_and_chat on the real file: the chat recipe (trains on its first 14,000
+    conversations, which repeat near its end) and a code run get the same held-out set."""
+    from conftest import CONF
+    from hydra import compose, initialize_config_dir
+
+    from dflash.eval.heldout import set_conversations
+    from dflash.run.cli import setup, typed
+
+    setup()
+    sets = []
+    for over in (["+exp=qwen05_chat"], ["+exp=qwen05_coder", "eval=code_and_chat"]):
+        with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+            rc = typed(compose("config", overrides=over))
+        (es,) = [s for s in rc.eval.sets if s.name == "sharegpt"]
+        sets.append([c.cid for c in set_conversations(rc, es, lambda *_: None)])
+    assert len(sets[0]) == 48 and sets[0] == sets[1]
