@@ -85,6 +85,25 @@ def tiny_llama():
     return get_target("tiny_llama")
 
 
+@pytest.fixture(scope="session")
+def default_job(tmp_path_factory):
+    """`python train.py` as the README runs it (the default 200 steps on the tiny target, about a
+    minute on 2 cores), once for every test that reads it: its run directory."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("default_job")
+    r = subprocess.run(
+        [sys.executable, "train.py", f"out_root={root}", "run_name=d", "logger=none"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return root / "d"
+
+
 def pytest_runtest_setup(item):
     """`@pytest.mark.extra("deepspeed")`: the test needs an optional extra that the README's
     install line leaves out; without it the test is skipped, saying which (.ci/run installs the

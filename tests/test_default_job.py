@@ -2,12 +2,10 @@
 make it learnable keep the target's greedy text a pure function of its body."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import ROOT, target_cfg
+from conftest import target_cfg
 
 from dflash.data.dataset import generate_greedy
 from dflash.data.prompts import random_prompts
@@ -32,16 +30,8 @@ def test_lm_head_scale_changes_logit_spread_not_greedy_text():
 
 
 @pytest.mark.slow
-def test_default_job_reaches_tau_2(tmp_path):
+def test_default_job_reaches_tau_2(default_job):
     """`python train.py` as the README runs it (about a minute on 2 cores)."""
-    r = subprocess.run(
-        [sys.executable, "train.py", f"out_root={tmp_path}", "run_name=d", "logger=none"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    evals = [x for x in map(json.loads, open(tmp_path / "d" / "metrics.jsonl")) if "eval/tau" in x]
+    evals = [x for x in map(json.loads, open(default_job / "metrics.jsonl")) if "eval/tau" in x]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 200  # conf/train/smoke.yaml
     assert evals[0]["eval/tau"] < 1.2 and evals[-1]["eval/tau"] >= 2.0, evals[-1]
