@@ -265,3 +265,22 @@ def test_empty_prompts_are_counted_and_skipped_in_one_line(tmp_path, capsys):
     assert out.count("\n") == 1 and out.startswith(
         f"data: skipped 3 rows of ['{f}'] (empty turn: 3"
     )
+
+
+def test_a_missing_data_set_under_the_assets_dir_says_how_to_fetch_it(tmp_path, monkeypatch):
+    from dflash.config import EvalConfig, EvalSetConfig, RunConfig
+    from dflash.run.preflight import check_run
+
+    monkeypatch.setenv("DFLASH_ASSETS", str(tmp_path / "assets"))
+    missing = tmp_path / "assets" / "sharegpt" / "sharegpt.jsonl"
+    chat = EvalSetConfig(name="chat", source="jsonl", paths=[str(missing)])
+    cfg = RunConfig(eval=EvalConfig(sets=[chat]))
+    cfg.target.check_memory = False
+    with pytest.raises(
+        FileNotFoundError, match=r"fetch_models.sh sharegpt` \(or set DFLASH_ASSETS"
+    ):
+        check_run(cfg)
+    elsewhere = EvalSetConfig(name="chat", source="jsonl", paths=[str(tmp_path / "mine.jsonl")])
+    with pytest.raises(FileNotFoundError) as e:
+        check_run(RunConfig(eval=EvalConfig(sets=[elsewhere])))
+    assert "fetch_models" not in str(e.value)  # the user's own file: no asset to fetch

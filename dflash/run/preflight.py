@@ -73,11 +73,28 @@ def check_files(cfg: RunConfig, hold_reads: bool = False) -> None:
             if source == "hf" and _hub_name(p):
                 continue  # a hub dataset: read (or refused) when the data is built
             if not glob.glob(os.path.expanduser(p)):
-                raise FileNotFoundError(f"{key}: {p!r} does not exist (no file matches it)")
+                raise FileNotFoundError(
+                    f"{key}: {p!r} does not exist (no file matches it)" + _asset_hint(p)
+                )
     from ..eval.heldout import check_eval_sets
 
     check_eval_sets(cfg)
     check_prompt_files(cfg, hold_reads)
+
+
+def _asset_hint(path: str) -> str:
+    """How to get a missing file that lies where fetch_models.sh puts its data sets."""
+    from ..data.corpora import assets_dir
+
+    root = os.path.abspath(assets_dir())
+    full = os.path.abspath(os.path.expanduser(path))
+    if not full.startswith(root + os.sep):
+        return ""
+    name = os.path.relpath(full, root).split(os.sep)[0]
+    return (
+        f"; fetch it with `bash ../shared/scripts/fetch_models.sh {name}` (or set DFLASH_ASSETS "
+        "to where it is)"
+    )
 
 
 def _hub_name(p: str) -> bool:
