@@ -14,4 +14,22 @@ cat /tmp/res/status 2>/dev/null
 grep -E "tau|tokens_per_s|time budget" /tmp/res/train.out | tail -6
 echo "recompile lines: $(grep -c Recompiling /tmp/res/train.out 2>/dev/null)"
 [ -f /tmp/res/done ] && { tail -28 /tmp/res/eval.out; tail -12 /tmp/res/eval32.out; }
+[ -f /tmp/res/done ] && python3 - <<'PY'  # in-loop vs eval.py (each set), chat eval, bench
+import json, os
+rows = [json.loads(x) for x in open("/tmp/res/metrics.jsonl") if x.strip()]
+last = [r for r in rows if any(k.startswith("eval/") and k.endswith("tau") for k in r)][-1]
+loop = {k[5:]: v for k, v in last.items() if k.startswith("eval/") and k.endswith("tau")}
+for name in ("eval", "eval_chat"):
+    path = f"/tmp/res/{name}.json"
+    if os.path.exists(path):
+        s = json.load(open(path))["summary"]
+        print(name, {k: round(v, 4) for k, v in s.items() if k.endswith("tau")},
+              "| in-loop", {k: round(v, 4) for k, v in loop.items()} if name == "eval" else "")
+if os.path.exists("/tmp/res/bench_run_samples.json"):
+    b = json.load(open("/tmp/res/bench_run_samples.json"))
+    ovl = b.get("loop_source_overlap_ms")
+    print("bench on the run's samples: loop", round(b["loop_tokens_per_s"]), "tokens/s; overlapped",
+          "source", round(b["tokens_per_step"] / ovl * 1e3) if ovl else "-", "tokens/s;",
+          round(b["tokens_per_step"]), "tokens a step (the run: perf/tokens_per_s above)")
+PY
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
