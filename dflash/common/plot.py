@@ -7,6 +7,7 @@ tau of several runs against their training minutes (`python -m dflash.tools.comp
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -88,26 +89,26 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
 
 
 def run_minutes(rows: list[dict]) -> list[tuple[int, float]]:
-    """(step, minutes) of a run's rows: the budget clock (time/run_min, budgeted runs: training
-    time with the start-up phases it counts), else the logger's wall clock (`time`)."""
+    """(step, minutes) of a run's rows, by step: the budget clock (time/run_min, budgeted runs:
+    training time with the start-up phases it counts), else the logger's wall clock (`time`)."""
     key = "time/run_min" if any("time/run_min" in r for r in rows) else "time"
     scale = 1.0 if key == "time/run_min" else 1 / 60
-    return [(r["step"], r[key] * scale) for r in rows if r.get(key) is not None]
+    return sorted((r["step"], r[key] * scale) for r in rows if r.get(key) is not None)
 
 
 def minutes_at(points: list[tuple[int, float]], step: int) -> float | None:
-    """A step's minutes, linear between the nearest rows that have a clock (None: no clock)."""
+    """A step's minutes, linear between the nearest rows that have a clock (None: no clock);
+    `points` sorted by step (run_minutes)."""
     if not points:
         return None
-    pts = sorted(points)
-    before = [p for p in pts if p[0] <= step]
-    after = [p for p in pts if p[0] >= step]
-    if not before:
-        return after[0][1]
-    if not after:
-        return before[-1][1]
-    (s0, m0), (s1, m1) = before[-1], after[0]
-    return m0 if s1 == s0 else m0 + (m1 - m0) * (step - s0) / (s1 - s0)
+    i = bisect.bisect_right(points, (step, math.inf))  # first point after the step
+    if i == 0:
+        return points[0][1]
+    (s0, m0) = points[i - 1]
+    if s0 == step or i == len(points):
+        return m0
+    (s1, m1) = points[i]
+    return m0 + (m1 - m0) * (step - s0) / (s1 - s0)
 
 
 def eval_curve(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

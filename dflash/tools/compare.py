@@ -51,8 +51,7 @@ def differing_keys(configs: list[dict]) -> list[str]:
     ]
 
 
-def summarize(run_dir: str) -> dict:
-    rows = load_metrics(run_dir)
+def summarize(rows: list[dict]) -> dict:
     evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/tau") for k in r)]
     train = [r for r in rows if "train/loss" in r]
     last_eval = evals[-1] if evals else {}
@@ -100,7 +99,8 @@ def table(run_dirs: list[str], at: list[float] = ()) -> str:
     head += [f"tau @{m:g} min" for m in at]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for d, c in zip(run_dirs, configs):
-        s = summarize(d)
+        rows = load_metrics(d)
+        s = summarize(rows)
         cells = [os.path.basename(os.path.normpath(d))]
         cells += [json.dumps(c.get(k)) if not isinstance(c.get(k), str) else c[k] for k in keys]
         cells += [
@@ -114,7 +114,6 @@ def table(run_dirs: list[str], at: list[float] = ()) -> str:
             else ", ".join(f"{n} {v:.3f}" for n, v in sorted(s["set_tau"].items())),
             f"{s['tree'][1]:.3f} @{s['tree'][0]}" if s["tree"] else "-",
         ]
-        rows = load_metrics(d) if at else []
         for m in at:
             by = tau_by(rows, m)
             cells.append(", ".join(f"{n} {v:.3f}".strip() for n, v in sorted(by.items())) or "-")
