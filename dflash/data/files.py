@@ -59,7 +59,8 @@ def _read_key(cfg: DataConfig) -> str | None:
     if cfg.source not in ("jsonl", "parquet"):
         return None
     try:
-        stamps = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in resolve_paths(cfg.paths)]
+        stats = [(p, os.stat(p)) for p in resolve_paths(cfg.paths)]
+        stamps = [(p, st.st_size, st.st_mtime_ns) for p, st in stats]
     except (FileNotFoundError, OSError):
         return None
     return json.dumps([dataclasses.asdict(cfg), stamps], sort_keys=True, default=str)
@@ -108,7 +109,7 @@ def _corpus(cfg: DataConfig) -> list[str]:
     return humaneval_prompts(cfg.paths[0] if cfg.paths else None)
 
 
-def resolve_paths(paths, key: str = "data.paths", hub_ok: bool = False) -> list[str]:
+def resolve_paths(paths, hub_ok: bool = False) -> list[str]:
     """Each path with ~ and globs expanded (sorted); hub_ok: a name that matches nothing is kept
     (a hub dataset)."""
     out, missing = [], []
@@ -119,13 +120,13 @@ def resolve_paths(paths, key: str = "data.paths", hub_ok: bool = False) -> list[
             found = [p]
         (out.extend(found) if found else missing.append(p))
     if missing:
-        raise FileNotFoundError(f"{key}: {missing} not found")
+        raise FileNotFoundError(f"data.paths: {missing} not found")
     return out
 
 
-def iter_rows(cfg: DataConfig, key: str = "data.paths") -> Iterator[tuple[object, str]]:
+def iter_rows(cfg: DataConfig) -> Iterator[tuple[object, str]]:
     """(row, where it is) for every row of every path, in order."""
-    for path in resolve_paths(cfg.paths, key, hub_ok=cfg.source == "hf"):
+    for path in resolve_paths(cfg.paths, hub_ok=cfg.source == "hf"):
         if cfg.source == "parquet":
             _check_parquet(path)
         if cfg.source != "hf" and path.endswith(JSON_EXT):

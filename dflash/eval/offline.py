@@ -222,14 +222,6 @@ class Evaluator:
         self.sampling = dict(temperatures=list(temperatures), top_p=top_p, top_k=top_k)
         self.reports_by_set: dict[str, list] = {}  # per-prompt reports of the last run, per set
 
-    @property
-    def items(self) -> list[EvalItem]:
-        return [it for items in self.sets.values() for it in items]
-
-    @property
-    def reports(self) -> list:
-        return [r for reps in self.reports_by_set.values() for r in reps]
-
     @classmethod
     def from_config(cls, cfg, target, cache_dir: str | None, log=print) -> Evaluator:
         e = cfg.eval

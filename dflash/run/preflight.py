@@ -107,18 +107,11 @@ def check_prompt_files(cfg: RunConfig, hold_reads: bool = False) -> None:
     wrong fields, a parquet source that is not parquet, no rows at all): minutes before the
     target would have loaded."""
     from ..data.files import read_conversations
-    from ..data.mix import mix_quotas, source_config
-
-    def check(dcfg):  # held for the run's read of the same rows
-        read_conversations(dcfg, log=lambda *_: None, keep=hold_reads)
+    from ..eval.heldout import training_sources
 
     local = ("jsonl", "parquet")
-    if cfg.data.source in local:
-        check(cfg.data)
-    quotas = mix_quotas([m.weight for m in cfg.data.mix], cfg.data.num_samples)
-    for m, q in zip(cfg.data.mix, quotas):
-        if m.source in local and q:
-            check(source_config(cfg.data, m, q))  # the rows training reads of this source
+    for dcfg in training_sources(cfg, local):  # the rows training reads of each source, held
+        read_conversations(dcfg, log=lambda *_: None, keep=hold_reads)  # for the run's read
     source = cfg.eval.source or cfg.data.source
     if cfg.eval.enabled and cfg.eval.paths and source in local:
         ecfg = dataclasses.replace(

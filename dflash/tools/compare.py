@@ -61,11 +61,7 @@ def summarize(rows: list[dict]) -> dict:
         "minutes": max((r.get("time/run_min", 0.0) for r in rows), default=0.0) or None,
         "tau": last_eval.get("eval/tau"),
         # eval.sets: each set's tau
-        "set_tau": {
-            k.split("/")[1]: v
-            for k, v in last_eval.items()
-            if k.count("/") == 2 and k.endswith("/tau")
-        },
+        "set_tau": {k.split("/")[1]: last_eval[k] for k in eval_set_keys([last_eval], "tau")},
         "tree": (budgets[-1], last_eval[f"eval/tau@{budgets[-1]}"]) if budgets else None,
         "acc": train[-1]["train/acc"] if train else None,
         "tokens_per_s": statistics.median(r["perf/tokens_per_s"] for r in train) if train else None,
@@ -92,14 +88,18 @@ def label(run_dir: str, config: dict, keys: list[str]) -> str:
     return name + (" (" + ", ".join(f"{k}={config.get(k)}" for k in keys) + ")" if keys else "")
 
 
-def table(run_dirs: list[str], at: list[float] = ()) -> str:
-    configs = [flat_config(d) for d in run_dirs]
-    keys = differing_keys(configs)
+def load_runs(run_dirs: list[str]) -> list[tuple[str, dict, list[dict]]]:
+    """(run dir, flat config, metrics rows) of each run, read once for the table and the plot."""
+    return [(d, flat_config(d), load_metrics(d)) for d in run_dirs]
+
+
+def table(run_dirs: list[str], at: list[float] = (), runs=None) -> str:
+    runs = runs if runs is not None else load_runs(run_dirs)
+    keys = differing_keys([c for _, c, _ in runs])
     head = ["run", *keys, "steps", "min", "epochs", "train acc", "tokens/s", "tau", "DDTree tau@b"]
     head += [f"tau @{m:g} min" for m in at]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for d, c in zip(run_dirs, configs):
-        rows = load_metrics(d)
+    for d, c, rows in runs:
         s = summarize(rows)
         cells = [os.path.basename(os.path.normpath(d))]
         cells += [json.dumps(c.get(k)) if not isinstance(c.get(k), str) else c[k] for k in keys]
@@ -139,16 +139,16 @@ def main() -> None:
     if not dirs:
         raise SystemExit(f"error: no run directories (with run_config.json) in {a.runs}")
     at = [float(m) for m in a.at.split(",") if m.strip()]
-    text = table(dirs, at)
+    runs = load_runs(dirs)
+    text = table(dirs, at, runs)
     print(text, end="")
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
     if a.plot:
-        configs = [flat_config(d) for d in dirs]
-        keys = differing_keys(configs)
-        runs = [(label(d, c, keys), load_metrics(d)) for d, c in zip(dirs, configs)]
-        print(f"plot: {plot_curves(runs, a.plot)}")
+        keys = differing_keys([c for _, c, _ in runs])
+        curves = [(label(d, c, keys), rows) for d, c, rows in runs]
+        print(f"plot: {plot_curves(curves, a.plot)}")
 
 
 if __name__ == "__main__":
