@@ -14,7 +14,7 @@ from ..target.shape import Heads
 from .decode import decode_report
 from .offline import evaluate
 from .report import print_report, write_json
-from .sets import build_eval_sets
+from .sets import build_eval_set, build_eval_sets
 
 
 def run_config_of(ckpt: str) -> dict | None:
@@ -115,7 +115,10 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     target = _target_for(rc, spec)
     where = dict(exclude_training=prev is not None, read_dirs=_run_caches(rc.ckpt, prev))
     cache = os.path.join(out_dir, "data")
-    sets = build_eval_sets(rc, target, cache, log=print, **where)  # "": the one unnamed set
+    if rc.eval.sets:
+        sets = build_eval_sets(rc, target, cache, log=print, **where)
+    else:
+        sets = {"": build_eval_set(rc, target, cache, log=print, **where)}
     drafter = drafter.to(target.device)
     results = {}
     for name, items in sets.items():
