@@ -95,6 +95,33 @@ def test_pack_layout_fills_rows_and_restarts_positions():
     assert torch.equal(pos_b[2, 31:], torch.arange(33))  # a row's padding restarts at 0
 
 
+def test_shared_rows_come_from_the_host_placement_and_match_the_packed_layout():
+    """While the pack check waits for a batch with a shared row, target_forward reads which
+    samples share one from the host placement (a device read would sync every capture: the GPU
+    tier's never-waits test failed on it); that placement is the one the packed tensors use."""
+    from dflash.data.batch import _sharing_a_row
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        lengths = torch.randint(1, 70, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+        samples = [
+            Sample(i, torch.randint(0, 50, (int(n),), generator=g), torch.ones(int(n), dtype=bool))
+            for i, n in enumerate(lengths)
+        ]
+        batch = collate(samples, pad_id=0)
+        N, T = batch.input_ids_NT.shape
+        spans = sample_spans(batch.segment_ids_NT)
+        for buckets in [(), (4, 32)]:
+            seg = pack_for_capture(batch, spans, *buckets)[2]
+            per_row = [set(row[row >= 0].tolist()) for row in seg]
+            want = torch.zeros(N, T, dtype=torch.bool)
+            for i, (r, o, n) in enumerate(spans):
+                want[r, o : o + n] = any(i in ids and len(ids) >= 2 for ids in per_row)
+            got = _sharing_a_row(spans, N, T, *buckets)
+            assert (got is None) == (not want.any()), (trial, buckets)
+            assert got is None or torch.equal(got, want), (trial, buckets)
+
+
 def test_bucketed_masked_capture_equals_one_sample_per_row(capsys):
     """The CUDA-graph path's forward (rows and length padded to buckets, an explicit
     block-diagonal causal mask from the segment ids) gives one-sample-per-row outputs; on the
@@ -224,9 +251,13 @@ def test_compiled_layers_trace_a_hybrid_target(monkeypatch):
     batch = collate(_samples(target.vocab_size), pad_id=0)
     ref = target_forward(target, batch)
     target.compiled_layers = compiled = _compiled(target, monkeypatch)
-    # and the units the CUDA path compiles: a Gated-DeltaNet layer's MLP only (compiled whole,
-    # its fla kernels gave way to the torch fallback), every attention layer whole
-    units = CompiledLayers.units(target)
+    # and the units the CUDA path compiles: by default every layer whole (a Gated-DeltaNet
+    # layer's fla kernels called outside the graphs); with compile_gdn=mlp a Gated-DeltaNet
+    # layer's MLP only, every attention layer whole
+    assert [type(u).__name__ for u in CompiledLayers.units(target)] == [
+        type(layer).__name__ for layer in target.decoder_layers()
+    ]
+    units = CompiledLayers.units(target, "mlp")
     kinds = [type(u).__name__ for u in units]
     assert len(units) == target.num_layers and "Qwen3_5DecoderLayer" in kinds
     assert (

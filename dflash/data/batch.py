@@ -194,16 +194,7 @@ def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: i
     ids, position ids and segment ids (the sample's index, -1 = padding) [R, L], and the index
     tensors repack uses. rows_to / len_to: pad R and L up to multiples of them (CUDA graphs
     replay fixed shapes); padding rows are padding throughout."""
-    L = round_up(max(n for _, _, n in spans), len_to)
-    fill: list[int] = []  # tokens used in each packed row
-    place: list = [None] * len(spans)  # (packed row, offset) of each sample
-    for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
-        n = spans[i][2]
-        r = next((r for r, used in enumerate(fill) if used + n <= L), len(fill))
-        if r == len(fill):
-            fill.append(0)
-        place[i], fill[r] = (r, fill[r]), fill[r] + n
-    fill += [0] * (round_up(len(fill), rows_to) - len(fill))
+    L, fill, place = _place_samples(spans, rows_to, len_to)
     dev = batch.input_ids_NT.device
     host = _span_index(spans, torch.device("cpu"), place)
     pos = (torch.arange(L)[None] - torch.tensor(fill)[:, None]).clamp(min=0)
@@ -215,6 +206,22 @@ def pack_for_capture(batch: TokenBatch, spans: list, rows_to: int = 1, len_to: i
     ids[pr, pc] = batch.input_ids_NT[r, c]
     to_dev = lambda x: to_device(x, dev)  # noqa: E731
     return ids, to_dev(pos), to_dev(seg), index
+
+
+def _place_samples(spans: list, rows_to: int = 1, len_to: int = 1):
+    """pack_for_capture's placement, on the host: the row length L, the tokens used in each
+    packed row (padded to a multiple of rows_to rows) and each sample's (packed row, offset)."""
+    L = round_up(max(n for _, _, n in spans), len_to)
+    fill: list[int] = []  # tokens used in each packed row
+    place: list = [None] * len(spans)  # (packed row, offset) of each sample
+    for i in sorted(range(len(spans)), key=lambda i: -spans[i][2]):
+        n = spans[i][2]
+        r = next((r for r, used in enumerate(fill) if used + n <= L), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        place[i], fill[r] = (r, fill[r]), fill[r] + n
+    fill += [0] * (round_up(len(fill), rows_to) - len(fill))
+    return L, fill, place
 
 
 def repack(x_SL: torch.Tensor, index: tuple, N: int, T: int, fill=0) -> torch.Tensor:
@@ -236,12 +243,14 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
     batch = batch.to(target.device)
     if getattr(target, "packs_capture", False):
         graphs = None if with_final_hidden else getattr(target, "capture_graphs", None)
-        ids, pos, seg, index = pack_for_capture(batch, spans, *(graphs.buckets if graphs else ()))
+        buckets = graphs.buckets if graphs is not None else ()
+        ids, pos, seg, index = pack_for_capture(batch, spans, *buckets)
         if graphs is not None:  # CUDA graphs of fixed-shape buckets (dflash.target.graphs)
             out = graphs(ids, pos, seg)
         else:
             out = target.capture(ids, None, with_final_hidden, position_ids_NT=pos)
-        shared_NT = _sharing_a_row(spans, seg, N, T) if target.pack_check_pending else None
+        pending = target.pack_check_pending
+        shared_NT = _sharing_a_row(spans, N, T, *buckets) if pending else None
         if shared_NT is not None:  # once per target: the same outputs as one per row?
             u_ids, att, _, u_index = unpack(batch, spans)
             ref = target.capture(u_ids, att, with_final_hidden=True)  # + logits of near-ties
@@ -266,12 +275,13 @@ def target_forward(target, batch: TokenBatch, with_final_hidden: bool = False) -
     return tb
 
 
-def _sharing_a_row(spans: list, seg_RL: torch.Tensor, N: int, T: int) -> torch.Tensor | None:
+def _sharing_a_row(spans: list, N: int, T: int, rows_to=1, len_to=1) -> torch.Tensor | None:
     """[N, T] the positions (in the batch's layout) of the samples that share a packed row with
-    another sample; None when every sample has a row of its own (nothing to check yet)."""
-    seg = seg_RL.cpu()
-    per_row = [row[row >= 0].unique().tolist() for row in seg]
-    shared = sorted(i for ids in per_row if len(ids) >= 2 for i in ids)
+    another sample; None when every sample has a row of its own (nothing to check yet). Read
+    from the host placement (`_place_samples`, the one pack_for_capture used), never from the
+    device: while the check waits for such a batch, the capture must not sync with the GPU."""
+    rows = [r for r, _ in _place_samples(spans, rows_to, len_to)[2]]
+    shared = [i for i, r in enumerate(rows) if rows.count(r) >= 2]
     if not shared:
         return None
     mask = torch.zeros(N, T, dtype=torch.bool)
