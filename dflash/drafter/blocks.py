@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .spec import MaskRule, mask_rules  # noqa: F401  (mask_rules: callers build `rules` with it)
@@ -42,33 +43,60 @@ def candidate_anchors(segment_ids_NT: torch.Tensor, loss_mask_NT: torch.Tensor) 
     return ok
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output function (uint64 arithmetic wraps modulo 2**64)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def row_uniforms(seeds_N, count: int) -> np.ndarray:
+    """[N, count] float64 draws in [0, 1): draw i of row n is a hash (splitmix64) of the row's
+    seed and i alone, so a row's draws never depend on the other rows, on how many of its draws
+    are used or on the batch's padded shapes, and a whole batch takes a few vectorised calls on
+    the host (the per-row torch.Generator loops were most of a step's host-side ops)."""
+    seeds = np.asarray([int(s) % 2**64 for s in seeds_N], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        state = _mix64(seeds)[:, None] + _GOLDEN * np.arange(1, count + 1, dtype=np.uint64)
+        z = _mix64(state)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
 def sample_anchors(
     candidates_NT: torch.Tensor, max_anchors: int, seeds_N: list[int], pad: bool = False
 ):
     """Uniform without replacement, per row from its own seed (so a row's anchors do not depend on
-    how rows are grouped into micro-batches or ranks). Returns anchors_NA, valid_NA (A = the
-    largest count, or max_anchors with pad=True: static shapes under `train.compile`)."""
-    rows = []
-    cand = candidates_NT.cpu()  # one device->host copy for the batch, not one per row
-    for n in range(cand.shape[0]):
-        idx = cand[n].nonzero().flatten()
-        if idx.numel() > max_anchors:
-            g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
-            idx = idx[torch.randperm(idx.numel(), generator=g)[:max_anchors]].sort().values
-        rows.append(idx)
-    return pad_anchors(rows, candidates_NT.device, max_anchors if pad else 1)
+    how rows are grouped into micro-batches or ranks): the candidates with the max_anchors
+    smallest of the row's draws (`row_uniforms`, one per position), in position order. Returns
+    anchors_NA, valid_NA (A = the largest count, or max_anchors with pad=True: static shapes
+    under `train.compile`); padding anchors are 0 and invalid."""
+    cand = candidates_NT.cpu().numpy().astype(bool)  # one device->host copy for the batch
+    N, T = cand.shape
+    counts = np.minimum(cand.sum(1), max_anchors)
+    A = max(int(counts.max(initial=0)), max_anchors if pad else 1)
+    keys = np.where(cand, row_uniforms(seeds_N, T), 2.0)  # non-candidates sort last
+    picked = np.argsort(keys, axis=1, kind="stable")[:, : min(A, T)]
+    real = np.arange(picked.shape[1])[None, :] < counts[:, None]
+    picked = np.sort(np.where(real, picked, T), axis=1)  # real anchors first, in position order
+    anchors = np.zeros((N, A), dtype=np.int64)
+    valid = np.zeros((N, A), dtype=bool)
+    anchors[:, : picked.shape[1]] = np.where(picked < T, picked, 0)
+    valid[:, : picked.shape[1]] = picked < T
+    dev = candidates_NT.device
+    return torch.from_numpy(anchors).to(dev), torch.from_numpy(valid).to(dev)
 
 
 def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape, max_anchors: int):
     """Which of the [N, A, B-1] labels a step keeps (`train.label_sampling=by_weight`): block
-    position k with probability keep_p_k[k], per row from its own seed and drawn for
-    `max_anchors` anchors, so a row's draw does not depend on the batch's padded anchor count."""
+    position k with probability keep_p_k[k], per row from its own seed; the draw of (anchor a,
+    position k) is the row's draw a*(B-1)+k, so it does not depend on the batch's padded anchor
+    count (A <= max_anchors)."""
     N, A, K = shape
-    out = torch.empty(shape, dtype=torch.bool)
-    for n in range(N):
-        g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
-        out[n] = torch.rand(max(A, max_anchors), K, generator=g)[:A] < keep_p_k
-    return out
+    u = row_uniforms(seeds_N, max(A, max_anchors) * K)[:, : A * K].reshape(N, A, K)
+    return torch.from_numpy(u < keep_p_k.double().numpy())
 
 
 def sample_prefix_lengths(
@@ -76,17 +104,14 @@ def sample_prefix_lengths(
 ) -> torch.Tensor:
     """Visible prefix length l [N, A] per block (`train.loss=variable_prefix`): block positions
     0..l-1 hold real tokens, from a truncated geometric prior P(l) ~ base^l over
-    shortest..B-1; per row from its own seed, drawn for `max_anchors` anchors (a row's draw does
-    not depend on the batch's padded anchor count)."""
+    shortest..B-1; per row from its own seed (the inverse CDF of the row's draws, one per
+    anchor), so a row's draw does not depend on the batch's padded anchor count."""
     N, A = shape
-    lengths = torch.arange(shortest, block_size, dtype=torch.float64)
-    prior = base**lengths
-    out = torch.empty(shape, dtype=torch.long)
-    for n in range(N):
-        g = torch.Generator().manual_seed(int(seeds_N[n]) % (2**63))
-        idx = torch.multinomial(prior, max(A, max_anchors), replacement=True, generator=g)
-        out[n] = shortest + idx[:A]
-    return out
+    prior = float(base) ** np.arange(shortest, block_size, dtype=np.float64)
+    cdf = np.cumsum(prior) / prior.sum()
+    u = row_uniforms(seeds_N, max(A, max_anchors))[:, :A]
+    idx = np.minimum(np.searchsorted(cdf, u, side="right"), len(prior) - 1)
+    return torch.from_numpy(shortest + idx.astype(np.int64))
 
 
 def show_prefix(
@@ -105,16 +130,6 @@ def show_prefix(
     real = input_ids_NT.gather(1, pos_c).view(pos.shape)
     blk = block_ids_NQ.view(pos.shape)
     return torch.where(seen, real, blk.new_full((), mask_token_id)).where(k_B > 0, blk).view(N, -1)
-
-
-def pad_anchors(rows: list, device, min_count: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    A = max(min_count, max((r.numel() for r in rows), default=1))
-    anchors = torch.zeros(len(rows), A, dtype=torch.long)
-    valid = torch.zeros(len(rows), A, dtype=torch.bool)
-    for n, r in enumerate(rows):
-        anchors[n, : r.numel()] = r
-        valid[n, : r.numel()] = True
-    return anchors.to(device), valid.to(device)
 
 
 def build_blocks(
