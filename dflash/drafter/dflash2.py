@@ -120,7 +120,13 @@ class CandidateSelector(nn.Module):
         """Scores [..., K] of each position's candidates after the given predecessor tokens
         (all positions at once: teacher forcing). A module call, so a sharded wrapper (FSDP
         unit, ZeRO-3) gathers the codebooks for it."""
-        gate = F.embedding(prev_x, self.predecessor_codebook) * self.hidden_projection(h_xH)
+        return self._scores(self.hidden_projection(h_xH), unary_xK, cand_xK, prev_x)
+
+    def _scores(self, proj_xR, unary_xK, cand_xK, prev_x):
+        """The selector's scores from the projected hidden state: unary + the rank-r pair term
+        of (predecessor, candidate); `forward` (every position at once) and `walk` (one step
+        of the path at a time) share it."""
+        gate = F.embedding(prev_x, self.predecessor_codebook) * proj_xR
         pair = torch.einsum("...r,...kr->...k", gate, F.embedding(cand_xK, self.successor_codebook))
         return unary_xK + pair.to(unary_xK.dtype)
 
@@ -131,9 +137,7 @@ class CandidateSelector(nn.Module):
         proj = self.hidden_projection(h_nDH)
         prev, path, rows = anchor_n, [], []
         for t in range(h_nDH.shape[1]):
-            gate = F.embedding(prev, self.predecessor_codebook) * proj[:, t]
-            succ = F.embedding(cand[:, t], self.successor_codebook)
-            scores = unary[:, t] + torch.einsum("nr,nkr->nk", gate, succ).to(unary.dtype)
+            scores = self._scores(proj[:, t], unary[:, t], cand[:, t], prev)
             if temperature > 0:
                 q = torch.softmax(scores.float() / temperature, dim=-1)
                 pick = torch.multinomial(q, 1, generator=generator)[:, 0]

@@ -21,6 +21,17 @@ from .attention import flex_attention, is_block_mask
 from .fuse import fused
 from .rope import Rotary, apply_rope
 
+
+def head_logits(h_MH, w_VH, logit_transform=None, b_V=None):
+    """fp32 logits through the frozen head (and its bias b_V, if any) in the head's own dtype:
+    the hidden chunk is cast, never the [V, H] weight (a bf16 27B head is 2.5 GB; an fp32 copy
+    per micro-batch is 5 GB). The one head computation: training's losses call it per chunk,
+    eval and decoding through `DFlashDrafter.logits`."""
+    logits = h_MH.to(w_VH.dtype) @ w_VH.t()
+    logits = (logits + b_V if b_V is not None else logits).float()
+    return logit_transform(logits) if logit_transform is not None else logits
+
+
 __all__ = ["DFlashDrafter", "Rotary", "num_params"]
 
 
@@ -202,12 +213,9 @@ class DFlashDrafter(nn.Module):
         self, h: torch.Tensor, lm_head_w_VH: torch.Tensor, lm_head_b_V: torch.Tensor | None = None
     ) -> torch.Tensor:
         """fp32 draft logits through the target's lm_head (its bias too, when it has one), in
-        the head's own dtype (no copy of the [V, H] weight) -- the one place eval and decoding
-        make drafter logits (training's chunked loss applies the same `logit_transform`)."""
-        logits = h.to(lm_head_w_VH.dtype) @ lm_head_w_VH.t()
-        if lm_head_b_V is not None:
-            logits = logits + lm_head_b_V
-        return self.logit_transform(logits.float())
+        the head's own dtype (no copy of the [V, H] weight): `head_logits` with this drafter's
+        `logit_transform`, as training's losses compute them."""
+        return head_logits(h, lm_head_w_VH, self.logit_transform, lm_head_b_V)
 
     def propose(self, h_nDH, logits_nDV, anchor_n, sampling=None, generator=None):
         """The drafting rule of one block per row: tokens [n, D] for block positions 1..B-1

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..drafter.model import head_logits
+
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -28,15 +30,6 @@ def position_weights(block_size: int, gamma: float | None = None) -> torch.Tenso
     g = default_gamma(block_size) if gamma is None else float(gamma)
     k = torch.arange(1, block_size, dtype=torch.float32)
     return torch.exp(-(k - 1) / g)
-
-
-def head_logits(h_MH, w_VH, logit_transform=None, b_V=None):
-    """fp32 logits through the frozen head (and its bias b_V, if any) in the head's own dtype:
-    the hidden chunk is cast, never the [V, H] weight (a bf16 27B head is 2.5 GB; an fp32 copy
-    per micro-batch is 5 GB)."""
-    logits = h_MH.to(w_VH.dtype) @ w_VH.t()
-    logits = (logits + b_V if b_V is not None else logits).float()
-    return logit_transform(logits) if logit_transform is not None else logits
 
 
 def prefix_position_weights(prefix_NA: torch.Tensor, block_size: int, gamma: float | None = None):
@@ -113,6 +106,41 @@ def weighted_ce_sum(
     return loss, correct
 
 
+def _ce_hits_chunk(h_MH, w_VH, labels_M, logit_transform=None, b_V=None):
+    logits = head_logits(h_MH, w_VH, logit_transform, b_V)
+    ce = F.cross_entropy(logits, labels_M, reduction="none")
+    return ce, (logits.argmax(-1) == labels_M).float().detach()
+
+
+def ce_per_position(
+    h_MH: torch.Tensor,
+    lm_head_w_VH: torch.Tensor,
+    labels_M: torch.Tensor,
+    *,
+    chunk: int = 4096,
+    logit_transform=None,
+    lm_head_b_V: torch.Tensor | None = None,
+):
+    """Per-position CE [M] on h's graph and whether the argmax hits the label [M] (no graph),
+    from one checkpointed pass of the head per chunk: a loss whose weights depend on the CE of
+    other chunks' positions (D-PACE's, per block) weighs these afterwards instead of building
+    the [M, V] logits once for the weights and again for the loss. With M = 0 the CE is an
+    empty tensor still connected to h's graph."""
+    if h_MH.shape[0] == 0:
+        return h_MH.new_zeros(0, dtype=torch.float32) + _graph_zero(h_MH), h_MH.new_zeros(0)
+    ces, hits = [], []
+    for i in range(0, h_MH.shape[0], chunk):
+        args = (h_MH[i : i + chunk], lm_head_w_VH, labels_M[i : i + chunk])
+        args += (logit_transform, lm_head_b_V)
+        if torch.is_grad_enabled() and h_MH.requires_grad:
+            ce, hit = checkpoint(_ce_hits_chunk, *args, use_reentrant=False)
+        else:
+            ce, hit = _ce_hits_chunk(*args)
+        ces.append(ce)
+        hits.append(hit)
+    return torch.cat(ces), torch.cat(hits)
+
+
 @torch.no_grad()
 def ce_values(
     h_MH, lm_head_w_VH, labels_M, *, chunk: int = 4096, logit_transform=None, lm_head_b_V=None
@@ -129,11 +157,11 @@ def ce_values(
     return torch.cat(out) if out else h_MH.new_zeros(0, dtype=torch.float32)
 
 
-def _ce_topk_chunk(h_MH, w_VH, labels_M, weights_M, correct_weights_M, top_k, transform, b_V):
+def _ce_topk_chunk(h_MH, w_VH, labels_M, weights_M, correct_weights_M, candidates, transform, b_V):
     logits = head_logits(h_MH, w_VH, transform, b_V)
     ce = F.cross_entropy(logits, labels_M, reduction="none")
     correct = ((logits.argmax(-1) == labels_M).float() * correct_weights_M).sum().detach()
-    unary, cand = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+    unary, cand = candidates(logits)  # the selector's own top-K rule, as decoding drafts
     return (ce * weights_M).sum(), correct, unary, cand
 
 
@@ -172,7 +200,8 @@ def ce_selection_sum(
     # so data-parallel peers reduce the same parameters
     for i in range(0, max(h_MH.shape[0], 1), chunk):
         sl = slice(i, i + chunk)
-        args = (h_MH[sl], lm_head_w_VH, labels_M[sl], weights_M[sl], cw_M[sl], selector.top_k)
+        args = (h_MH[sl], lm_head_w_VH, labels_M[sl], weights_M[sl], cw_M[sl])
+        args += (selector.candidates,)
         if torch.is_grad_enabled() and h_MH.requires_grad:
             ce, c, unary, cand = checkpoint(
                 _ce_topk_chunk, *args, logit_transform, lm_head_b_V, use_reentrant=False

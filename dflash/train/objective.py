@@ -39,6 +39,7 @@ from ..config import TrainConfig
 from ..drafter.blocks import sample_prefix_lengths, show_prefix
 from .fused_ce import fused_weighted_ce_sum
 from .losses import (
+    ce_per_position,
     ce_selection_sum,
     ce_values,
     dpace_weights,
@@ -113,9 +114,32 @@ class Objective:
                 lm_head_b_V=b_lm,
             )
             return kl, h_M.new_zeros(())
+        if cfg.loss == "dpace" and self.selector is None:
+            # one pass of the head: the per-position CE on the graph, weighted by the D-PACE
+            # weights of its detached values (accuracy per label, not per D-PACE weight)
+            ce, hit = ce_per_position(
+                h_M,
+                w_lm,
+                labels,
+                chunk=cfg.lm_head_chunk,
+                logit_transform=transform,
+                lm_head_b_V=b_lm,
+            )
+            dp = self._dpace_weights(ce.detach(), p)
+            return (ce * dp).sum(), (hit * weights).sum()
         if cfg.loss == "dpace":
             correct_w = weights
-            weights = self._dpace(h_M, labels, p, w_lm, b_lm)
+            weights = self._dpace_weights(
+                ce_values(
+                    h_M.detach(),
+                    w_lm,
+                    labels,
+                    chunk=cfg.lm_head_chunk,
+                    logit_transform=transform,
+                    lm_head_b_V=b_lm,
+                ),
+                p,
+            )
         if self.selector is not None:
             return ce_selection_sum(
                 h_M,
@@ -153,17 +177,9 @@ class Objective:
             correct_weights_M=correct_w,
         )
 
-    def _dpace(self, h_M, labels_M, p, w_lm, b_lm) -> torch.Tensor:
-        """D-PACE loss weights [M] from the detached per-position CE of each whole block."""
+    def _dpace_weights(self, ce: torch.Tensor, p) -> torch.Tensor:
+        """D-PACE loss weights [M] from the detached per-position CE [M] of each whole block."""
         K = self.spec.block_size - 1
-        ce = ce_values(
-            h_M.detach(),
-            w_lm,
-            labels_M,
-            chunk=self.cfg.lm_head_chunk,
-            logit_transform=self.drafter.logit_transform,
-            lm_head_b_V=b_lm,
-        )
         grid = torch.zeros(p.weights_NAK.numel(), device=ce.device, dtype=torch.float32)
         grid.index_copy_(0, p.label_index_M, ce)
         valid = (p.weights_NAK > 0).reshape(-1, K)
