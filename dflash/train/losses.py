@@ -58,12 +58,11 @@ def dpace_weights(ce_nK: torch.Tensor, valid_nK: torch.Tensor, alpha: float) -> 
         return reach.flip(-1).cumsum(-1).flip(-1) * valid
 
 
-def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None, b_V=None, correct_w_M=None):
+def _ce_chunk(h_MH, w_VH, labels_M, weights_M, logit_transform=None, b_V=None):
     logits = head_logits(h_MH, w_VH, logit_transform, b_V)
     ce = F.cross_entropy(logits, labels_M, reduction="none")
     correct = (logits.argmax(-1) == labels_M).float()
-    cw = weights_M if correct_w_M is None else correct_w_M
-    return (ce * weights_M).sum(), (correct * cw).sum().detach()
+    return (ce * weights_M).sum(), (correct * weights_M).sum().detach()
 
 
 def weighted_ce_sum(
@@ -75,15 +74,12 @@ def weighted_ce_sum(
     chunk: int = 4096,
     logit_transform=None,
     lm_head_b_V: torch.Tensor | None = None,
-    correct_weights_M: torch.Tensor | None = None,
 ):
     """Hard CE against the target's greedy tokens, weighted, summed. The [M, V] logits are built
     chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
     logit_transform: the drafter's (output multiplier, softcapping) on fp32 logits;
     lm_head_b_V: the head's bias (None: it has none).
-    Returns (loss_sum, weighted_correct_sum); correct_weights_M weigh the second when they
-    differ from the loss's (D-PACE: accuracy per label, loss per D-PACE weight). With M = 0 the
-    sum is a zero that is still connected to h's graph, so backward (and a DDP all-reduce) runs
+    Returns (loss_sum, weighted_correct_sum). With M = 0 the sum is a zero that is still connected to h's graph, so backward (and a DDP all-reduce) runs
     like any other micro-batch."""
     loss = _graph_zero(h_MH)
     correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
@@ -95,7 +91,6 @@ def weighted_ce_sum(
             weights_M[i : i + chunk],
             logit_transform,
             lm_head_b_V,
-            None if correct_weights_M is None else correct_weights_M[i : i + chunk],
         )
         if torch.is_grad_enabled() and h_MH.requires_grad:
             l, c = checkpoint(_ce_chunk, *args, use_reentrant=False)

@@ -154,7 +154,7 @@ class Objective:
                 lm_head_b_V=b_lm,
                 correct_weights_M=correct_w,
             )
-        if correct_w is None and self.device.type == "cuda":
+        if self.device.type == "cuda":
             return fused_weighted_ce_sum(
                 h_M,
                 w_lm,
@@ -174,7 +174,6 @@ class Objective:
             chunk=cfg.lm_head_chunk,
             logit_transform=transform,
             lm_head_b_V=b_lm,
-            correct_weights_M=correct_w,
         )
 
     def _dpace_weights(self, ce: torch.Tensor, p) -> torch.Tensor:
