@@ -169,6 +169,7 @@ class DrafterTrainer:
         )
         if prefix_h is not None:  # train.loss=variable_prefix: labels only past the prefix
             lvalid_h = lvalid_h & self.objective.past_prefix(prefix_h)
+        real_h = lvalid_h  # every real label: the weights' denominator
         if self.keep_p_k is not None:  # train.label_sampling=by_weight
             seeds_keep = [row_seed(self.cfg.seed + 2, step, int(k)) for k in tb.row_seeds]
             lvalid_h = lvalid_h & sample_kept_labels(
@@ -191,12 +192,13 @@ class DrafterTrainer:
         )
         blocks.masks = to_kernel_masks(blocks.masks, self.attn_kernel)
         prefix = None if prefix_h is None else to_device(prefix_h, dev)
-        # the same rule on the device's loss mask: a deferred screen (build.screen_batch) may
-        # have dropped a sample after the host copy was taken; its labels then weigh nothing
-        lvalid = label_valid(tb.loss_mask_NT, tb.segment_ids_NT, anchors, valid, B)
         if prefix is not None:
             self.objective.show_prefix(blocks, tb, prefix)
-            lvalid = lvalid & self.objective.past_prefix(prefix)
+        # a deferred screen (build.screen_batch) may have dropped a sample after the host copy
+        # was taken, zeroing its whole loss mask on the device: its anchors' labels then weigh
+        # nothing (an anchor is always a response token of a kept sample)
+        alive = tb.loss_mask_NT.gather(1, anchors).bool()
+        lvalid = to_device(real_h, dev) & alive[..., None]
         weights = self.objective.weights(lvalid, prefix)
         return Prepared(
             blocks,
