@@ -5,6 +5,7 @@
 #   WHAT="smollm2 qwen05" bash scripts/device/bench13.sh  (smollm2_r32 / qwen05_r32: 32 rows)
 #   WHAT="drafter27b regen" bash scripts/device/bench13.sh
 #   WHAT=worker27b bash scripts/device/bench13.sh  (carry .fla: the fla wheels)
+#   WHAT=qwen05_cg bash scripts/device/bench13.sh  (the step as CUDA graphs: --cudagraph-ab)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
@@ -25,6 +26,9 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP \
         --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
       pack_profile $w ;;
+    qwen05_cg)  # the 16-row loop with the drafter step as CUDA graphs vs compiled as now
+      timeout 280 python3 benchmarks/bench_loop.py --target qwen2_5_coder_0_5b --rows 16 $LOOP \
+        --cudagraph-ab --out "$OUT/loop_$w.json" ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
     worker27b)  # carry .fla too (fla wheels): eager (fla conv1d, and the torch one) vs compile_gdn=mlp|layer
