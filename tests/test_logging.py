@@ -69,3 +69,17 @@ def test_compiled_graphs_counts_every_new_compile():
     assert _compiled()["perf/compiled_graphs"] == before + 1
     f(torch.ones(2, 3))  # a new rank: a recompile
     assert _compiled()["perf/compiled_graphs"] == before + 2
+
+
+def test_eval_keys_have_one_grammar():
+    """eval/<metric> is the unnamed set's, eval/<set>/<metric> a named set's: the console line,
+    the run summary, the plots and tools.compare read keys through dflash.common.loggers.eval_key."""
+    from dflash.common.loggers import eval_key
+    from dflash.common.plot import eval_set_keys
+
+    assert eval_key("eval/tau") == (None, "tau")
+    assert eval_key("eval/sharegpt/tau@64") == ("sharegpt", "tau@64")
+    assert eval_key("train/loss") is None and eval_key("eval0/tau") is None
+    assert eval_key("eval/a/b/tau") is None
+    rows = [{"eval/tau": 1.0, "eval/code/tau": 2.0, "eval/chat/tau": 3.0, "eval/chat/streak": 1}]
+    assert eval_set_keys(rows, "tau") == ["eval/chat/tau", "eval/code/tau"]

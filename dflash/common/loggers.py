@@ -50,6 +50,15 @@ class Logger:
             self.jsonl.close()
 
 
+def eval_key(key: str) -> tuple[str | None, str] | None:
+    """The one grammar of eval metric keys: eval/<metric> -> (None, metric) for the unnamed set,
+    eval/<set>/<metric> -> (set, metric) for a named one (eval.sets); any other key -> None."""
+    parts = key.split("/")
+    if parts[0] != "eval" or len(parts) not in (2, 3):
+        return None
+    return (parts[1] if len(parts) == 3 else None, parts[-1])
+
+
 class ConsoleLogger(Logger):
     KEYS = ("train/loss", "train/acc", "train/lr", "eval/streak", "eval/tau", "perf/tokens_per_s")
 
@@ -58,10 +67,11 @@ class ConsoleLogger(Logger):
             return
         parts = [f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
         # the named eval sets (eval.sets): eval/<set>/tau as <set>.tau
+        named = {k: eval_key(k) for k in metrics}
         parts += [
-            f"{k.split('/')[1]}.{k.split('/')[2]}={metrics[k]:.4g}"
-            for k in metrics
-            if k.count("/") == 2 and k.startswith("eval/") and k.endswith(("/streak", "/tau"))
+            f"{e[0]}.{e[1]}={metrics[k]:.4g}"
+            for k, e in named.items()
+            if e is not None and e[0] is not None and e[1] in ("streak", "tau")
         ]
         if parts:
             print(f"step {step:>6d} | " + " ".join(parts), flush=True)

@@ -12,6 +12,8 @@ import json
 import math
 import os
 
+from .loggers import eval_key
+
 
 def load_metrics(run_dir: str) -> list[dict]:
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -35,12 +37,7 @@ def series(rows: list[dict], key: str):
 def eval_set_keys(rows: list[dict], metric: str) -> list[str]:
     """eval/<set>/<metric> of every named eval set in the rows."""
     return sorted(
-        {
-            k
-            for r in rows
-            for k in r
-            if k.startswith("eval/") and k.count("/") == 2 and k.endswith("/" + metric)
-        }
+        {k for r in rows for k in r if (e := eval_key(k)) and e[0] is not None and e[1] == metric}
     )
 
 

@@ -11,6 +11,7 @@ segment_ids.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -281,7 +282,8 @@ def _sharing_a_row(spans: list, N: int, T: int, rows_to=1, len_to=1) -> torch.Te
     from the host placement (`_place_samples`, the one pack_for_capture used), never from the
     device: while the check waits for such a batch, the capture must not sync with the GPU."""
     rows = [r for r, _ in _place_samples(spans, rows_to, len_to)[2]]
-    shared = [i for i, r in enumerate(rows) if rows.count(r) >= 2]
+    per_row = Counter(rows)
+    shared = [i for i, r in enumerate(rows) if per_row[r] >= 2]
     if not shared:
         return None
     mask = torch.zeros(N, T, dtype=torch.bool)

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..common.interrupt import Interrupted, StopRequest, agree_any
-from ..common.loggers import Logger
+from ..common.loggers import Logger, eval_key
 from ..common.profiling import StepProfiler
 from ..config import RunConfig
 from ..data.batch import TargetBatch
@@ -354,7 +354,8 @@ def _compiled() -> dict:
 
 
 def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:
-    sets = sorted({k[: -len("/tau")] for k in last if k.startswith("eval/") and k.endswith("/tau")})
+    # eval (the unnamed set) and eval/<set>: the prefixes of the tau keys
+    sets = sorted({k[: -len("/tau")] for k in last if (e := eval_key(k)) and e[1] == "tau"})
     if first_eval is not None:
         for p in sets:
             last[p.replace("eval", "eval0", 1) + "/streak"] = first_eval.get(p + "/streak")
