@@ -17,6 +17,7 @@ import os
 import statistics
 
 from ..common.layout import read_run_config
+from ..common.loggers import eval_key
 from ..common.plot import eval_curve, eval_set_keys, load_metrics, plot_curves
 
 
@@ -52,7 +53,7 @@ def differing_keys(configs: list[dict]) -> list[str]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    evals = [r for r in rows if any(k.startswith("eval/") and k.endswith("/tau") for k in r)]
+    evals = [r for r in rows if any((e := eval_key(k)) and e[1] == "tau" for k in r)]
     train = [r for r in rows if "train/loss" in r]
     last_eval = evals[-1] if evals else {}
     budgets = sorted(int(k.split("@")[1]) for k in last_eval if k.startswith("eval/tau@"))
