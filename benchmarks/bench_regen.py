@@ -4,6 +4,7 @@ the same process, with the token agreement.
 
   python benchmarks/bench_regen.py --target smollm2_135m --batch 512 --new 256
   python benchmarks/bench_regen.py --target tiny --batch 64 --new 64 --check-every 8 --min-rows 8
+  python benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch 512 --new 256 --profile DIR
 
 Random-weight stand-ins as in bench_loop (real weights where bench_loop finds them: their
 tokenizer's EOS then). A random model rarely emits any one token, so with random weights --eos
@@ -66,6 +67,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2, help="static timings: best of this many")
     ap.add_argument("--dtype", default="auto", help="float32 for bit-identity checks")
     ap.add_argument("--compile", action="store_true", help="also time the compiled step")
+    ap.add_argument(
+        "--profile", default=None, help="DIR: profile the static decode (no compaction)"
+    )
+    ap.add_argument("--profile-new", type=int, default=32, help="--profile: tokens per decode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
@@ -179,6 +184,16 @@ def main() -> None:
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
     }
     report(res, args.out)
+    if args.profile:  # where a decode step's time goes: the graph replays' kernels, by kernel
+        from common import profile_steps
+
+        def decode(_):
+            ids, att = left_pad(prompts, pad)
+            StaticGreedyDecoder(target.model, compact=False, **kw).run(
+                ids.to(dev), att.to(dev), args.profile_new, None
+            )
+
+        profile_steps(args.profile, dev, decode, f"static decode, {args.profile_new} tokens", n=2)
     if fp32:
         assert got == plain, "compacted tokens differ from the uncompacted decoder's"
     elif got != plain:

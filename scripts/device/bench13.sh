@@ -6,6 +6,7 @@
 #   WHAT="drafter27b regen" bash scripts/device/bench13.sh
 #   WHAT=worker27b bash scripts/device/bench13.sh  (carry .fla: the fla wheels)
 #   WHAT=qwen05_cg bash scripts/device/bench13.sh  (the step as CUDA graphs: --cudagraph-ab)
+#   WHAT=regen_prof bash scripts/device/bench13.sh  (regeneration at the recipe's shape, profiled)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
@@ -40,6 +41,11 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
         timeout 120 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
           --new 256 --out "$OUT/regen_$b.json"
       done ;;
+    regen_prof)  # the recipe's regeneration shape, profiled: where a 13.6 ms decode step goes
+      timeout 240 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch 512 \
+        --new 256 --prompt-min 64 --prompt-max 384 --repeat 1 --compile --profile "$OUT/prof_$w" \
+        --out "$OUT/regen_prof.json"
+      pack_profile $w ;;
     *) echo "unknown: $w" ;;
   esac > "$OUT/$w.log" 2>&1
   echo "$w rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/status"
