@@ -14,11 +14,15 @@ from conftest import ROOT
 EXTRAS = {"deepspeed": "deepspeed"}
 
 
-def _readme_commands() -> list[str]:
+def _readme_lines() -> list[str]:
+    """The README's first code block, comments cut: line 1 installs and runs, line 2 tests."""
     text = open(os.path.join(ROOT, "README.md")).read()
     block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
-    first = block.splitlines()[0].split("#")[0]
-    return [c.strip() for c in first.split("&&")]
+    return [ln.split("#")[0].strip() for ln in block.splitlines()]
+
+
+def _readme_commands() -> list[str]:
+    return [c.strip() for c in _readme_lines()[0].split("&&")]
 
 
 @pytest.mark.slow  # ~1 min; CI runs the README's pytest before it installs the extras, too
@@ -67,7 +71,10 @@ def test_ci_runs_the_readme_install_line_before_adding_extras():
         hits = [i for i, ln in enumerate(ci) if ln == f"python3 -m {want}"]
         assert hits, f".ci/run does not run the README's `{cmd}`"
         at.append(hits[0])
-    readme_pytest = [i for i, ln in enumerate(ci) if ln == "python3 -m pytest -q"]
+    test_cmd = _readme_lines()[1]
+    assert test_cmd.startswith("pytest"), test_cmd
+    want = "python3 -m " + test_cmd.replace("pytest", "pytest -q", 1)
+    readme_pytest = [i for i, ln in enumerate(ci) if ln == want]
     extras = [i for i, ln in enumerate(ci) if "pip install" in ln and i not in at]
     assert readme_pytest and extras, ci
     assert at[0] < at[1] < readme_pytest[0] < min(extras)
