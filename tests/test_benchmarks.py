@@ -117,3 +117,17 @@ def test_bench_loop_replays_a_runs_samples(tmp_path):
     assert res["samples"] == str(path) and res["loop_ms"] > 0
     kept = [n for n in [20, 33, 47, 60, 64, 25, 41, 52, 38] for _ in range(2)]
     assert min(kept) * 2 <= res["tokens_per_step"] <= max(kept) * 2
+
+
+def test_bench_regen_reports_agreement_and_profiles_the_decode(tmp_path):
+    prof = tmp_path / "prof"
+    res = run_bench(
+        "bench_regen",
+        ["--target", "tiny", "--batch", "8", "--new", "8", "--check-every", "4", "--min-rows", "2"]
+        + ["--repeat", "1", "--dtype", "float32", "--profile", str(prof), "--profile-new", "4"],
+        tmp_path,
+    )
+    assert res["static_tokens_per_s"] > 0 and res["hf_generate_tokens_per_s"] > 0
+    assert res["identical_rows"] == "8/8"  # float32: the static decoder is HF generate's tokens
+    (summary,) = [json.loads(x) for x in (prof / "summary.json").read_text().split("\n") if x]
+    assert summary["what"] == "static decode, 4 tokens" and summary["wall_ms_per_step"] > 0
