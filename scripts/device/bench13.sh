@@ -41,7 +41,7 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
         timeout 120 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
           --new 256 --out "$OUT/regen_$b.json"
       done ;;
-    regen_prof)  # the recipe's regeneration shape, profiled: where a 13.6 ms decode step goes
+    regen_prof)  # the recipe's regeneration shape, profiled: where a decode step's ~9-14 ms go
       timeout 240 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch 512 \
         --new 256 --prompt-min 64 --prompt-max 384 --repeat 1 --compile --profile "$OUT/prof_$w" \
         --out "$OUT/regen_prof.json"
