@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # In the background, from /tmp/repo: train within a budget, then eval.py with real decoding (bf16,
 # RD prompts, default 5), the chat-domain eval where ShareGPT was uploaded (eval=code_and_chat) and
-# the fp32 check (3 prompts). Progress: /tmp/res/status; end: /tmp/res/done.
+# the fp32 check (3 prompts), with HELDOUT=N tau on N held-out stdlib prompts. Progress:
+# /tmp/res/status; end: /tmp/res/done.
 cd /tmp/repo && source scripts/device/env.sh
 # The GGUF -> transformers conversion runs before the clock (a user with the HF weights has no
 # such step); its time goes to the status file.
@@ -19,6 +20,13 @@ if [ -f /tmp/a/sharegpt/sharegpt.jsonl ] && ! grep -q "override /eval: code_and_
   python3 eval.py ckpt=$ck eval=code_and_chat data.max_length=1024 out=/tmp/res/eval_chat.json \
     > /tmp/res/eval_chat.out 2>&1
   echo "eval_chat rc=$? $(date +%s)" >> /tmp/res/status
+fi
+if [ -n "${HELDOUT:-}" ]; then  # HELDOUT=N: tau on N stdlib prompts training did not read
+  # (same format and domain as the training prompts): beside HumanEval's tau, it separates
+  # over-fitting (both low against the train accuracy) from the stdlib -> HumanEval shift
+  python3 eval.py ckpt=$ck "eval.sets=[{name: stdlib_heldout, source: stdlib, heldout: true, \
+num_prompts: $HELDOUT}]" out=/tmp/res/eval_heldout.json > /tmp/res/eval_heldout.out 2>&1
+  echo "eval_heldout rc=$? $(date +%s)" >> /tmp/res/status
 fi
 if [ -n "${BENCH:-}" ]; then  # the loop bench on this run's own samples (same rows / anchors)
   # BENCH="--target qwen2_5_coder_0_5b --rows 16 --seq 768 --anchors 64" (the recipe's shape)
