@@ -105,14 +105,14 @@ def test_dpace_loss_is_brute_force_through_the_trainer(tiny_qwen, variant):
 
 # ----------------------------------------------------------------------------- variable prefix
 def test_prefix_prior_is_truncated_geometric_and_seeded():
-    lengths = sample_prefix_lengths([1, 2, 3, 4], (4, 4000), 4000, 8, 0.7, 1)
+    lengths = sample_prefix_lengths([1, 2, 3, 4], (4, 4000), 8, 0.7, 1)
     assert lengths.min() >= 1 and lengths.max() <= 7
     freq = torch.bincount(lengths.flatten(), minlength=8)[1:].double() / lengths.numel()
     prior = torch.tensor([0.7**l for l in range(1, 8)], dtype=torch.float64)
     assert torch.allclose(freq, prior / prior.sum(), atol=0.01)
     # a row's draw depends on its seed only, not on how many anchors the batch pads to
-    a = sample_prefix_lengths([5, 9], (2, 3), 6, 8, 0.9, 2)
-    b = sample_prefix_lengths([5], (1, 5), 6, 8, 0.9, 2)
+    a = sample_prefix_lengths([5, 9], (2, 3), 8, 0.9, 2)
+    b = sample_prefix_lengths([5], (1, 5), 8, 0.9, 2)
     assert torch.equal(a[0], b[0, :3]) and a.min() >= 2
 
 

@@ -80,19 +80,19 @@ def test_anchors_of_a_row_do_not_depend_on_the_batch():
 def test_kept_labels_keep_each_position_at_its_rate_whatever_the_padding(A):
     keep = torch.tensor([1.0, 0.7, 0.3, 0.05])
     seeds = list(range(2000))
-    kept = sample_kept_labels(keep, seeds, (2000, A, 4), 16)
+    kept = sample_kept_labels(keep, seeds, (2000, A, 4))
     rate = kept.double().mean((0, 1))
     sd = (keep * (1 - keep) / (2000 * A)).sqrt()
     assert kept[..., 0].all() and ((rate - keep).abs() <= 5 * sd + 1e-12).all()
-    full = sample_kept_labels(keep, seeds[:5], (5, 16, 4), 16)
+    full = sample_kept_labels(keep, seeds[:5], (5, 16, 4))
     assert torch.equal(kept[:5], full[:, :A])  # a row's draw of anchor a: the same at any A
 
 
 def test_prefix_lengths_follow_the_prior_whatever_the_padding():
-    lengths = sample_prefix_lengths(list(range(50)), (50, 400), 400, 6, 0.5, 2)
+    lengths = sample_prefix_lengths(list(range(50)), (50, 400), 6, 0.5, 2)
     assert lengths.min() >= 2 and lengths.max() <= 5 and lengths.dtype == torch.long
     freq = torch.bincount(lengths.flatten(), minlength=6)[2:].double() / lengths.numel()
     prior = torch.tensor([0.5**l for l in range(2, 6)], dtype=torch.float64)
     assert torch.allclose(freq, prior / prior.sum(), atol=0.01)
-    a = sample_prefix_lengths([5, 9], (2, 3), 6, 8, 0.9, 2)
-    assert torch.equal(a[1], sample_prefix_lengths([9], (1, 6), 6, 8, 0.9, 2)[0, :3])
+    a = sample_prefix_lengths([5, 9], (2, 3), 8, 0.9, 2)
+    assert torch.equal(a[1], sample_prefix_lengths([9], (1, 6), 8, 0.9, 2)[0, :3])

@@ -89,18 +89,18 @@ def sample_anchors(
     return torch.from_numpy(anchors).to(dev), torch.from_numpy(valid).to(dev)
 
 
-def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape, max_anchors: int):
+def sample_kept_labels(keep_p_k: torch.Tensor, seeds_N: list[int], shape):
     """Which of the [N, A, B-1] labels a step keeps (`train.label_sampling=by_weight`): block
     position k with probability keep_p_k[k], per row from its own seed; the draw of (anchor a,
     position k) is the row's draw a*(B-1)+k, so it does not depend on the batch's padded anchor
-    count (A <= max_anchors)."""
+    count."""
     N, A, K = shape
-    u = row_uniforms(seeds_N, max(A, max_anchors) * K)[:, : A * K].reshape(N, A, K)
+    u = row_uniforms(seeds_N, A * K).reshape(N, A, K)
     return torch.from_numpy(u < keep_p_k.double().numpy())
 
 
 def sample_prefix_lengths(
-    seeds_N: list[int], shape, max_anchors: int, block_size: int, base: float, shortest: int
+    seeds_N: list[int], shape, block_size: int, base: float, shortest: int
 ) -> torch.Tensor:
     """Visible prefix length l [N, A] per block (`train.loss=variable_prefix`): block positions
     0..l-1 hold real tokens, from a truncated geometric prior P(l) ~ base^l over
@@ -109,7 +109,7 @@ def sample_prefix_lengths(
     N, A = shape
     prior = float(base) ** np.arange(shortest, block_size, dtype=np.float64)
     cdf = np.cumsum(prior) / prior.sum()
-    u = row_uniforms(seeds_N, max(A, max_anchors))[:, :A]
+    u = row_uniforms(seeds_N, A)
     idx = np.minimum(np.searchsorted(cdf, u, side="right"), len(prior) - 1)
     return torch.from_numpy(shortest + idx.astype(np.int64))
 

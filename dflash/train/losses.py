@@ -79,8 +79,8 @@ def weighted_ce_sum(
     chunk by chunk under activation checkpointing, so peak memory is one chunk of logits.
     logit_transform: the drafter's (output multiplier, softcapping) on fp32 logits;
     lm_head_b_V: the head's bias (None: it has none).
-    Returns (loss_sum, weighted_correct_sum). With M = 0 the sum is a zero that is still connected to h's graph, so backward (and a DDP all-reduce) runs
-    like any other micro-batch."""
+    Returns (loss_sum, weighted_correct_sum). With M = 0 the sum is a zero that is still
+    connected to h's graph, so backward (and a DDP all-reduce) runs like any other micro-batch."""
     loss = _graph_zero(h_MH)
     correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
     for i in range(0, h_MH.shape[0], chunk):
@@ -134,22 +134,6 @@ def ce_per_position(
         ces.append(ce)
         hits.append(hit)
     return torch.cat(ces), torch.cat(hits)
-
-
-@torch.no_grad()
-def ce_values(
-    h_MH, lm_head_w_VH, labels_M, *, chunk: int = 4096, logit_transform=None, lm_head_b_V=None
-):
-    """Per-position CE [M] without a graph (D-PACE's weights are computed from it)."""
-    out = [
-        F.cross_entropy(
-            head_logits(h_MH[i : i + chunk], lm_head_w_VH, logit_transform, lm_head_b_V),
-            labels_M[i : i + chunk],
-            reduction="none",
-        )
-        for i in range(0, h_MH.shape[0], chunk)
-    ]
-    return torch.cat(out) if out else h_MH.new_zeros(0, dtype=torch.float32)
 
 
 def _ce_topk_chunk(h_MH, w_VH, labels_M, weights_M, correct_weights_M, candidates, transform, b_V):

@@ -41,7 +41,6 @@ from .fused_ce import fused_weighted_ce_sum
 from .losses import (
     ce_per_position,
     ce_selection_sum,
-    ce_values,
     dpace_weights,
     position_weights,
     prefix_position_weights,
@@ -68,7 +67,7 @@ class Objective:
         if self.cfg.loss != "variable_prefix":
             return None
         c, B = self.cfg, self.spec.block_size
-        return sample_prefix_lengths(seeds_N, shape, c.max_anchors, B, c.prefix_base, c.prefix_min)
+        return sample_prefix_lengths(seeds_N, shape, B, c.prefix_base, c.prefix_min)
 
     def past_prefix(self, prefix_NA: torch.Tensor) -> torch.Tensor:
         """bool [N, A, K]: block position k lies at or after the visible prefix (k >= l)."""
@@ -114,32 +113,24 @@ class Objective:
                 lm_head_b_V=b_lm,
             )
             return kl, h_M.new_zeros(())
-        if cfg.loss == "dpace" and self.selector is None:
-            # one pass of the head: the per-position CE on the graph, weighted by the D-PACE
-            # weights of its detached values (accuracy per label, not per D-PACE weight)
-            ce, hit = ce_per_position(
-                h_M,
-                w_lm,
-                labels,
-                chunk=cfg.lm_head_chunk,
-                logit_transform=transform,
-                lm_head_b_V=b_lm,
-            )
-            dp = self._dpace_weights(ce.detach(), p)
-            return (ce * dp).sum(), (hit * weights).sum()
         if cfg.loss == "dpace":
-            correct_w = weights
-            weights = self._dpace_weights(
-                ce_values(
-                    h_M.detach(),
+            # the head's per-position CE in one pass; without a selector (which makes its own
+            # pass) on the graph, weighted by the D-PACE weights of its detached values
+            # (accuracy per label, not per D-PACE weight)
+            one_pass = self.selector is None
+            with torch.set_grad_enabled(torch.is_grad_enabled() and one_pass):
+                ce, hit = ce_per_position(
+                    h_M if one_pass else h_M.detach(),
                     w_lm,
                     labels,
                     chunk=cfg.lm_head_chunk,
                     logit_transform=transform,
                     lm_head_b_V=b_lm,
-                ),
-                p,
-            )
+                )
+            dp = self._dpace_weights(ce.detach(), p)
+            if one_pass:
+                return (ce * dp).sum(), (hit * weights).sum()
+            correct_w, weights = weights, dp
         if self.selector is not None:
             return ce_selection_sum(
                 h_M,

@@ -172,9 +172,7 @@ class DrafterTrainer:
         real_h = lvalid_h  # every real label: the weights' denominator
         if self.keep_p_k is not None:  # train.label_sampling=by_weight
             seeds_keep = [row_seed(self.cfg.seed + 2, step, int(k)) for k in tb.row_seeds]
-            lvalid_h = lvalid_h & sample_kept_labels(
-                self.keep_p_k, seeds_keep, lvalid_h.shape, self.cfg.max_anchors
-            )
+            lvalid_h = lvalid_h & sample_kept_labels(self.keep_p_k, seeds_keep, lvalid_h.shape)
         label_idx = lvalid_h.flatten().nonzero().flatten()
         n, k = label_idx.div(B - 1, rounding_mode="floor"), label_idx % (B - 1)
         anchors, valid, label_idx, hidden_idx = (
