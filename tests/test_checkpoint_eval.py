@@ -211,6 +211,46 @@ def test_eval_cli_real_decoding(trained_run, tmp_path):
     assert s["decode_tokens_per_s_ar"] > 0
 
 
+def test_eval_cli_real_decoding_per_set(trained_run, tmp_path):
+    """A set's own real_decode_prompts overrides eval.real_decode_prompts: one eval.py call
+    decodes one set for real and scores the other offline only (the target loads once)."""
+    run_dir, _ = trained_run
+    out = tmp_path / "rep.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "eval.py",
+            f"ckpt={run_dir / 'checkpoints' / 'latest'}",
+            f"out={out}",
+            f"out_root={tmp_path}",
+            f"eval_dir={tmp_path}/ev",
+            "logger=none",
+            "eval.completion_len=24",
+            "eval.real_decode_prompts=1",
+            "eval.decode_tree_budgets=[4]",
+            "eval.sets=[{name: dec, source: selfgen, num_prompts: 2}, "
+            "{name: off, source: selfgen, num_prompts: 2, real_decode_prompts: 0}]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.load(open(out))["summary"]
+    assert r.stdout.count("real greedy decoding, first 1 prompts") == 1
+    assert s["dec/decode_tokens_per_s_ar"] > 0 and s["dec/decode_identical_chain"] == 1
+    assert not [k for k in s if k.startswith("off/decode_")]
+    assert s["off/tau"] == pytest.approx(s["dec/tau"])  # the same selfgen prompts
+
+
+def test_eval_set_real_decode_prompts_is_checked():
+    from dflash.config import EvalConfig, EvalSetConfig
+
+    with pytest.raises(ValueError, match=r"eval.sets\[0\].real_decode_prompts must be >= 0"):
+        EvalConfig(sets=[EvalSetConfig(name="a", source="selfgen", real_decode_prompts=-1)]).validate()
+
+
 @pytest.mark.parametrize(
     "break_it,match",
     [

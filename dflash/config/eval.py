@@ -27,6 +27,9 @@ class EvalSetConfig:
     # when heldout). last, which skips rows repeating an earlier row: the same rows for runs that
     # train on different shares of the file (read from its start); it reads the whole file
     rows: str = "first"
+    # eval.py: real decoding on this set's first N prompts (None: eval.real_decode_prompts), so
+    # one call can decode HumanEval for real and only score a held-out set offline
+    real_decode_prompts: int | None = None
 
 
 @dataclass
@@ -94,3 +97,8 @@ class EvalConfig:
                 raise ValueError(f"{key}.paths is empty for source={s.source}: name its files")
             if s.num_prompts is not None and s.num_prompts < 1:
                 raise ValueError(f"{key}.num_prompts must be >= 1 or null, got {s.num_prompts}")
+            if s.real_decode_prompts is not None and s.real_decode_prompts < 0:
+                raise ValueError(
+                    f"{key}.real_decode_prompts must be >= 0 or null (eval.real_decode_prompts), "
+                    f"got {s.real_decode_prompts}"
+                )

@@ -121,8 +121,11 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         sets = {"": build_eval_set(rc, target, cache, log=print, **where)}
     drafter = drafter.to(target.device)
     results = {}
+    per_set = {es.name: es.real_decode_prompts for es in rc.eval.sets}
     for name, items in sets.items():
-        results[name] = _evaluate_set(rc, target, drafter, items)
+        n_real = per_set.get(name)
+        n_real = rc.eval.real_decode_prompts if n_real is None else n_real
+        results[name] = _evaluate_set(rc, target, drafter, items, n_real)
         if name:
             print(f"eval set {name}:")
         print_report(*results[name], rc.eval.budgets, rc.eval.show_rounds)
@@ -145,7 +148,7 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     return summary
 
 
-def _evaluate_set(rc: RunConfig, target, drafter, items) -> tuple[list, dict]:
+def _evaluate_set(rc: RunConfig, target, drafter, items, n_real: int) -> tuple[list, dict]:
     reports, summary = evaluate(
         drafter,
         Heads(target.embed_tokens, target.lm_head),
@@ -155,10 +158,8 @@ def _evaluate_set(rc: RunConfig, target, drafter, items) -> tuple[list, dict]:
         top_p=rc.eval.top_p,
         top_k=rc.eval.top_k,
     )
-    if rc.eval.real_decode_prompts:
-        summary.update(
-            decode_report(target, drafter, items, rc.eval.real_decode_prompts, rc.eval, log=print)
-        )
+    if n_real:
+        summary.update(decode_report(target, drafter, items, n_real, rc.eval, log=print))
     return reports, summary
 
 

@@ -181,7 +181,7 @@ def build_named_set(cfg, es, target, cache_dir, log=print, read_dirs=()) -> list
     say = lambda msg: log(f"eval set {es.name}: {msg}")  # noqa: E731
     key = {
         "format": 3,
-        "set": asdict(es),
+        "set": {k: v for k, v in asdict(es).items() if k not in NOT_IN_KEY},
         "eval": {k: v for k, v in vars(cfg.eval).items() if k not in (*NOT_IN_KEY, "sets")},
     }
 

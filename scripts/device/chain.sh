@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# In the background, from /tmp/repo: train within a budget, then eval.py with real decoding (bf16,
-# RD prompts, default 5), the chat-domain eval where ShareGPT was uploaded (eval=code_and_chat) and
-# the fp32 check (3 prompts), with HELDOUT=N tau on N held-out stdlib prompts. Progress:
+# In the background, from /tmp/repo: train within a budget, then one eval.py with real decoding
+# (bf16, RD prompts, default 5) on HumanEval, the chat-domain set where ShareGPT was uploaded and,
+# with HELDOUT=N, N held-out stdlib prompts; then the fp32 check (3 prompts). Progress:
 # /tmp/res/status; end: /tmp/res/done.
 cd /tmp/repo && source scripts/device/env.sh
 # The GGUF -> transformers conversion runs before the clock (a user with the HF weights has no
@@ -13,21 +13,30 @@ env TORCH_LOGS=recompiles python3 train.py +exp=$EXP run_name=main out_root=/tmp
 echo "train rc=$? $(date +%s)" >> /tmp/res/status
 ck=$(ls -d /tmp/runs/main/checkpoints/step_* | tail -1)
 echo "ckpt $ck" >> /tmp/res/status
-python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
-echo "eval rc=$? $(date +%s)" >> /tmp/res/status
+# One eval.py for every set, so the target loads once: HumanEval with real decoding (RD prompts);
+# where ShareGPT was uploaded and the recipe's own eval lacks it, the chat recipe's held-out
+# conversations (its eval=code_and_chat set, cut at its data.max_length=1024; RDCHAT real-decoded
+# prompts, default 0); with HELDOUT=N, N stdlib prompts training did not read (same format and
+# domain as the training prompts: beside HumanEval's tau it separates over-fitting from the
+# stdlib -> HumanEval shift). Without either, the run's own eval sets.
+sets="" extra=""
 if [ -f /tmp/a/sharegpt/sharegpt.jsonl ] && ! grep -q "override /eval: code_and_chat" conf/exp/$EXP.yaml; then
-  # the chat recipe's eval sets on this drafter: its ShareGPT figure on the same conversations
-  python3 eval.py ckpt=$ck eval=code_and_chat data.max_length=1024 out=/tmp/res/eval_chat.json \
-    > /tmp/res/eval_chat.out 2>&1
-  echo "eval_chat rc=$? $(date +%s)" >> /tmp/res/status
+  sets="$sets, {name: sharegpt, source: jsonl, paths: [/tmp/a/sharegpt/sharegpt.jsonl], \
+heldout: true, rows: last, turns: each, num_prompts: 48, real_decode_prompts: ${RDCHAT:-0}}"
+  extra="data.max_length=1024"
 fi
-if [ -n "${HELDOUT:-}" ]; then  # HELDOUT=N: tau on N stdlib prompts training did not read
-  # (same format and domain as the training prompts): beside HumanEval's tau, it separates
-  # over-fitting (both low against the train accuracy) from the stdlib -> HumanEval shift
-  python3 eval.py ckpt=$ck "eval.sets=[{name: stdlib_heldout, source: stdlib, heldout: true, \
-num_prompts: $HELDOUT}]" out=/tmp/res/eval_heldout.json > /tmp/res/eval_heldout.out 2>&1
-  echo "eval_heldout rc=$? $(date +%s)" >> /tmp/res/status
+if [ -n "${HELDOUT:-}" ]; then
+  sets="$sets, {name: stdlib_heldout, source: stdlib, heldout: true, num_prompts: $HELDOUT, \
+real_decode_prompts: 0}"
 fi
+if [ -n "$sets" ]; then
+  sets="eval.sets=[{name: humaneval, source: humaneval, num_prompts: 164}$sets]"
+  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "$sets" $extra out=/tmp/res/eval.json \
+    > /tmp/res/eval.out 2>&1
+else
+  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
+fi
+echo "eval rc=$? $(date +%s)" >> /tmp/res/status
 if [ -n "${BENCH:-}" ]; then  # the loop bench on this run's own samples (same rows / anchors)
   # BENCH="--target qwen2_5_coder_0_5b --rows 16 --seq 768 --anchors 64" (the recipe's shape)
   python3 benchmarks/bench_loop.py $BENCH --samples "$(ls /tmp/runs/main/data/train-*.pt | head -1)" \

@@ -9,7 +9,7 @@ assemble || exit 1
 rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r $(ls -A | grep -v '^.gl$') /tmp/repo/
 export EXP=${EXP:-qwen05_coder} BUDGET=${BUDGET:-20} EXTRA="${EXTRA:-}" FP32=${FP32:-1} RD=${RD:-5}
 export GRID="${GRID:-}"  # CHAIN=grid.sh: the ablation settings (see grid.sh)
-export HELDOUT="${HELDOUT:-}"  # chain.sh: tau on N held-out stdlib prompts
+export HELDOUT="${HELDOUT:-}" RDCHAT="${RDCHAT:-0}"  # chain.sh: N held-out stdlib prompts; chat real decoding
 export BENCH="${BENCH:-}"  # chain.sh: bench_loop on the run's samples (its shape arguments)
 touch /tmp/res/started  # wait_run.sh: a machine without it is a fresh one
 setsid nohup bash /tmp/repo/scripts/device/${CHAIN:-chain.sh} > /tmp/res/chain.log 2>&1 < /dev/null &

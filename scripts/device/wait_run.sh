@@ -19,7 +19,7 @@ import json, os
 rows = [json.loads(x) for x in open("/tmp/res/metrics.jsonl") if x.strip()]
 last = [r for r in rows if any(k.startswith("eval/") and k.endswith("tau") for k in r)][-1]
 loop = {k[5:]: v for k, v in last.items() if k.startswith("eval/") and k.endswith("tau")}
-for name in ("eval", "eval_chat", "eval_heldout"):
+for name in ("eval",):  # every set of the one eval.py call (chain.sh)
     path = f"/tmp/res/{name}.json"
     if os.path.exists(path):
         s = json.load(open(path))["summary"]
