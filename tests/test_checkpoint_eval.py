@@ -248,7 +248,9 @@ def test_eval_set_real_decode_prompts_is_checked():
     from dflash.config import EvalConfig, EvalSetConfig
 
     with pytest.raises(ValueError, match=r"eval.sets\[0\].real_decode_prompts must be >= 0"):
-        EvalConfig(sets=[EvalSetConfig(name="a", source="selfgen", real_decode_prompts=-1)]).validate()
+        EvalConfig(
+            sets=[EvalSetConfig(name="a", source="selfgen", real_decode_prompts=-1)]
+        ).validate()
 
 
 @pytest.mark.parametrize(
