@@ -49,6 +49,17 @@ def test_every_experiment_composes_and_builds(exp, tmp_path):
     assert target.num_layers - 1 not in drafter.spec.target_layer_ids
 
 
+def test_run_config_names_an_inherited_target():
+    """run_config (the device chain converts $EXP's GGUF with it, before the clock): an
+    experiment that inherits its target from another (qwen05_chat from qwen05_coder) names it."""
+    from dflash.run.defaults import run_config
+
+    for exp in ("qwen05_coder", "qwen05_chat"):
+        rc = run_config([f"+exp={exp}"])
+        assert rc.target.name == "qwen2_5_coder_0_5b" and rc.target.gguf_file.endswith(".gguf")
+    assert run_config(["+exp=smollm2_coder"]).target.name == "smollm2_135m"
+
+
 def test_v5_recipe_on_tiny_target(tmp_path):
     from dflash.train.colocated import run_colocated
 

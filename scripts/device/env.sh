@@ -27,13 +27,10 @@ assemble() {  # cat the uploaded chunks (/tmp/a/parts) into the GGUFs / ShareGPT
   fi
 }
 convert_target() {  # the GGUF -> transformers conversion of $EXP's target (cached), timed to the status
-  local tgt t=$(date +%s)
-  tgt=$(sed -n 's|.*override /target: *||p' conf/exp/$EXP.yaml)
+  local t=$(date +%s)
   python3 -c "
-from omegaconf import OmegaConf
-from dflash.config import TargetConfig
-from dflash.target import resolve_local_path
-raw = OmegaConf.to_container(OmegaConf.load('conf/target/$tgt.yaml'), resolve=True)
-print(resolve_local_path(TargetConfig(**raw)))" > /tmp/res/convert.out 2>&1
+from dflash.run.defaults import run_config
+from dflash.target.load import resolve_local_path
+print(resolve_local_path(run_config(['+exp=$EXP']).target))" > /tmp/res/convert.out 2>&1
   echo "convert rc=$? $(( $(date +%s) - t )) s" >> /tmp/res/status
 }
