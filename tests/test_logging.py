@@ -58,6 +58,33 @@ def test_plot_from_metrics(tmp_path):
         plot_run(str(tmp_path / "nope"))
 
 
+def test_plot_with_eval_sets_draws_each_sets_lines_only():
+    """eval.sets: each set's chain tau with its largest DDTree budget (dashed, same colour) and
+    its position-1 accuracy; no legend entry for a series the run never logged (eval/tau)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dflash.common.plot import run_figure
+
+    rows = [{"step": 1, "train/loss": 3.0, "train/acc": 0.2, "perf/tokens_per_s": 9.0}]
+    for s in (0, 4):
+        row = {"step": s}
+        for name in ("code", "chat"):
+            row |= {f"eval/{name}/tau": 1 + s, f"eval/{name}/tau@4": 1.5 + s}
+            row |= {f"eval/{name}/tau@64": 2 + s, f"eval/{name}/acc_pos_1": s / 5}
+        rows.append(row)
+    fig = run_figure(rows)
+    legend = lambda ax: [t.get_text() for t in ax.get_legend().get_texts()]  # noqa: E731
+    acc, tau = fig.axes[1], fig.axes[2]
+    assert legend(tau) == ["tau chat", "chat tau@64", "tau code", "code tau@64"]
+    assert legend(acc) == ["train acc (weighted)", "chat acc_pos_1", "code acc_pos_1"]
+    lines = {ln.get_label(): ln for ln in tau.get_lines()}
+    assert lines["chat tau@64"].get_color() == lines["tau chat"].get_color()
+    assert lines["chat tau@64"].get_linestyle() == "--"
+    assert list(lines["code tau@64"].get_ydata()) == [2, 6]
+
+
 def test_compiled_graphs_counts_every_new_compile():
     """perf/compiled_graphs steps up in the interval that paid a (re)compile."""
     from dflash.train.loop import _compiled

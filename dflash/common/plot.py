@@ -47,42 +47,61 @@ def plot_run(run_dir: str, out: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = load_metrics(run_dir)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    ax = axes[0, 0]
-    ax.plot(*series(rows, "train/loss"), label="train loss (hard CE)")
-    ax.set_xlabel("step"), ax.set_title("loss"), ax.legend()
-    ax = axes[0, 1]
-    ax.plot(*series(rows, "train/acc"), label="train acc (weighted)")
-    for k in sorted(
-        {k for r in rows for k in r if k.startswith("eval/acc_pos_")},
-        key=lambda k: int(k.rsplit("_", 1)[1]),
-    )[:4]:
-        ax.plot(*series(rows, k), marker="o", label=k)
-    ax.set_xlabel("step"), ax.set_title("accuracy"), ax.legend(fontsize=7)
-    ax = axes[1, 0]
-    ax.plot(*series(rows, "eval/tau"), marker="o", label="tau (chain)")
-    for k in sorted(
-        {k for r in rows for k in r if k.startswith("eval/tau@")},
-        key=lambda k: int(k.split("@")[1]),
-    ):
-        ax.plot(*series(rows, k), marker=".", label=k)
-    for k in eval_set_keys(rows, "tau"):  # eval.sets: one chain tau line per set
-        ax.plot(*series(rows, k), marker="o", label=f"tau {k.split('/')[1]}")
-    (
-        ax.set_xlabel("step"),
-        ax.set_title("acceptance length (greedy, exact offline)"),
-        ax.legend(fontsize=7),
-    )
-    ax = axes[1, 1]
-    ax.plot(*series(rows, "perf/tokens_per_s"), label="tokens/s")
-    ax.set_xlabel("step"), ax.set_title("throughput"), ax.legend()
+    fig = run_figure(load_metrics(run_dir))
     fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
     out = out or os.path.join(run_dir, "metrics.png")
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def run_figure(rows: list[dict]):
+    """Loss, accuracy, tau (per eval set, with its largest DDTree budget) and tokens/s by step."""
+    import matplotlib.pyplot as plt
+
+    def line(ax, key, **kw):  # a series only where the run logged it (no empty legend entries)
+        xs, ys = series(rows, key)
+        return ax.plot(xs, ys, **kw)[0].get_color() if xs else None
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0, 0]
+    line(ax, "train/loss", label="train loss (hard CE)")
+    ax.set_xlabel("step"), ax.set_title("loss"), ax.legend()
+    ax = axes[0, 1]
+    line(ax, "train/acc", label="train acc (weighted)")
+    for k in sorted(
+        {k for r in rows for k in r if k.startswith("eval/acc_pos_")},
+        key=lambda k: int(k.rsplit("_", 1)[1]),
+    )[:4]:
+        line(ax, k, marker="o", label=k)
+    for k in eval_set_keys(rows, "acc_pos_1"):  # eval.sets: block position 1 per set
+        line(ax, k, marker="o", label=f"{k.split('/')[1]} acc_pos_1")
+    ax.set_xlabel("step"), ax.set_title("accuracy"), ax.legend(fontsize=7)
+    ax = axes[1, 0]
+    line(ax, "eval/tau", marker="o", label="tau (chain)")
+    for k in sorted(
+        {k for r in rows for k in r if k.startswith("eval/tau@")},
+        key=lambda k: int(k.split("@")[1]),
+    ):
+        line(ax, k, marker=".", label=k)
+    for k in eval_set_keys(rows, "tau"):  # eval.sets: chain tau and the largest DDTree budget
+        name = k.split("/")[1]
+        color = line(ax, k, marker="o", label=f"tau {name}")
+        trees = {t for r in rows for t in r if t.startswith(f"eval/{name}/tau@")}
+        if trees:
+            top = max(trees, key=lambda t: int(t.split("@")[1]))
+            label = f"{name} {top.split('/')[2]}"
+            line(ax, top, marker=".", linestyle="--", color=color, label=label)
+    (
+        ax.set_xlabel("step"),
+        ax.set_title("acceptance length (greedy, exact offline)"),
+        ax.legend(fontsize=7),
+    )
+    ax = axes[1, 1]
+    line(ax, "perf/tokens_per_s", label="tokens/s")
+    ax.set_xlabel("step"), ax.set_title("throughput"), ax.legend()
+    return fig
 
 
 def run_minutes(rows: list[dict]) -> list[tuple[int, float]]:
