@@ -11,6 +11,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 from conftest import ROOT, make_drafter
 
 from dflash.config import DataConfig, EvalConfig, EvalSetConfig, RunConfig, TargetConfig
@@ -155,9 +156,16 @@ def test_each_set_is_evaluated_and_reported_under_its_name(tmp_path, tiny_llama,
             ),
         )
         sets = build_eval_sets(rc, tiny_llama, str(tmp_path / "cache"))
+        # a named HumanEval set holds the unnamed one's items (eval.source=humaneval, the code
+        # recipe's in-loop set), so a named set in eval.py scores what the loop scored
+        unnamed = replace(rc, eval=replace(rc.eval, sets=[], source="humaneval"))
+        (plain,) = build_eval_sets(unnamed, tiny_llama, str(tmp_path / "cache")).values()
     finally:
         del os.environ["DFLASH_ASSETS"]
     assert list(sets) == ["code", "chat"] and len(sets["code"]) == 2
+    for a, b in zip(sets["code"], plain, strict=True):
+        assert torch.equal(a.prompt_ids, b.prompt_ids)
+        assert torch.equal(a.completion_ids, b.completion_ids)
     assert len(sets["chat"]) == 2  # one user turn each: one prompt each
     drafter = make_drafter(tiny_llama)
     heads = Heads(tiny_llama.embed_tokens, tiny_llama.lm_head)
