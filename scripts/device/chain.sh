@@ -14,13 +14,13 @@ echo "train rc=$? $(date +%s)" >> /tmp/res/status
 ck=$(ls -d /tmp/runs/main/checkpoints/step_* | tail -1)
 echo "ckpt $ck" >> /tmp/res/status
 # One eval.py for every set, so the target loads once: HumanEval with real decoding (RD prompts);
-# where ShareGPT was uploaded and the recipe's own eval lacks it, the chat recipe's held-out
-# conversations (its eval=code_and_chat set, cut at its data.max_length=1024; RDCHAT real-decoded
-# prompts, default 0); with HELDOUT=N, N stdlib prompts training did not read (same format and
-# domain as the training prompts: beside HumanEval's tau it separates over-fitting from the
-# stdlib -> HumanEval shift). Without either, the run's own eval sets.
+# where ShareGPT was uploaded, the chat recipe's held-out conversations (its eval=code_and_chat
+# set, cut at its data.max_length=1024: for +exp=qwen05_chat its own set, read from the run's
+# cache; RDCHAT real-decoded prompts, default 0); with HELDOUT=N, N stdlib prompts training did
+# not read (same format and domain as the training prompts: beside HumanEval's tau it separates
+# over-fitting from the stdlib -> HumanEval shift). Without either, the run's own eval sets.
 sets="" extra=""
-if [ -f /tmp/a/sharegpt/sharegpt.jsonl ] && ! grep -q "override /eval: code_and_chat" conf/exp/$EXP.yaml; then
+if [ -f /tmp/a/sharegpt/sharegpt.jsonl ]; then
   sets="$sets, {name: sharegpt, source: jsonl, paths: [/tmp/a/sharegpt/sharegpt.jsonl], \
 heldout: true, rows: last, turns: each, num_prompts: 48, real_decode_prompts: ${RDCHAT:-0}}"
   extra="data.max_length=1024"
