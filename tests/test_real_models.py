@@ -64,6 +64,25 @@ def test_smollm2_loads_from_gguf(smol):
 
 
 @needs_smol
+def test_gguf_conversion_says_what_it_does_and_is_cached(tmp_path, capsys):
+    """The one-off GGUF -> transformers conversion (a minute or two inside a budgeted run's
+    target load) prints where it goes and how long it took, then is read from its cache."""
+    import dataclasses
+
+    from dflash.target.load import resolve_local_path
+
+    os.symlink(SMOL_GGUF, tmp_path / os.path.basename(SMOL_GGUF))
+    cfg = target_config_from_yaml("smollm2_135m", device="cpu", dtype="float32")
+    cfg = dataclasses.replace(cfg, path=str(tmp_path))
+    out = resolve_local_path(cfg)
+    assert out == str(tmp_path / "hf-SmolLM2-135M-Instruct.Q4_1")
+    said = capsys.readouterr().out
+    assert f"target: converting {tmp_path}/SmolLM2-135M-Instruct.Q4_1.gguf" in said
+    assert f"cached at {out}" in said and "target: converted in " in said
+    assert resolve_local_path(cfg) == out and capsys.readouterr().out == ""  # cached: silent
+
+
+@needs_smol
 def test_smollm2_aux_states_equal_hf_hidden_states(smol):
     _, t = smol
     ids = torch.tensor(

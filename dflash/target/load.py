@@ -155,6 +155,14 @@ def resolve_local_path(cfg: TargetConfig) -> str:
     gguf = os.path.join(path, cfg.gguf_file)
     if not os.path.exists(gguf):
         raise FileNotFoundError(f"{gguf} not found; run `bash ../shared/scripts/fetch_models.sh`")
+    import time
+
+    t0 = time.perf_counter()
+    print(
+        f"target: converting {gguf} to a plain directory (once; ~1-2 min for a 0.5B model), "
+        f"cached at {converted}",
+        flush=True,
+    )
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=cfg.gguf_file, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(path, gguf_file=cfg.gguf_file)
     # The GGUF loader dequantizes every tensor to float32 but leaves its quantizer attached, which
@@ -173,6 +181,7 @@ def resolve_local_path(cfg: TargetConfig) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         if not os.path.exists(os.path.join(converted, "config.json")):
             raise
+    print(f"target: converted in {time.perf_counter() - t0:.0f} s", flush=True)
     return converted
 
 
