@@ -68,6 +68,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="float32 for bit-identity checks")
     ap.add_argument("--compile", action="store_true", help="also time the compiled step")
     ap.add_argument(
+        "--skip-hf", action="store_true", help="no HF generate reference (its ~25 s at batch 512)"
+    )
+    ap.add_argument(
+        "--fuse", action="store_true", help="also time data.regen_fuse (fused norm/RoPE/gate)"
+    )
+    ap.add_argument(
         "--profile", default=None, help="DIR: profile the static decode (no compaction)"
     )
     ap.add_argument("--profile-new", type=int, default=32, help="--profile: tokens per decode")
@@ -88,9 +94,9 @@ def main() -> None:
     pad = target.mask_token_id
     kw = dict(check_every=args.check_every, min_rows=args.min_rows, shrink=args.shrink)
 
-    def static(ps, eos, compact=True, compile=False):
+    def static(ps, eos, compact=True, compile=False, fuse=False):
         ids, att = left_pad(ps, pad)
-        dec = StaticGreedyDecoder(target.model, compile=compile, compact=compact, **kw)
+        dec = StaticGreedyDecoder(target.model, compile=compile, compact=compact, fuse=fuse, **kw)
         return cut_at_eos(dec.run(ids.to(dev), att.to(dev), args.new, eos), eos), dec
 
     def timed(fn):
@@ -109,7 +115,22 @@ def main() -> None:
         eos = target.tokenizer.eos_token_id
     elif args.eos != "none":
         eos = int(args.eos)
-    ref, t_hf = timed(lambda: hf_greedy_batch(target, prompts, args.new, pad, eos))
+    ref, t_hf = None, float("nan")
+    if not args.skip_hf:
+        ref, t_hf = timed(lambda: hf_greedy_batch(target, prompts, args.new, pad, eos))
+
+    def agree(a_rows, b_rows):
+        same = sum(a == b for a, b in zip(a_rows, b_rows))
+        first_diff = [
+            next(
+                (i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)),
+            )
+            for a, b in zip(a_rows, b_rows)
+        ]
+        diffs = [d for d in first_diff if d is not None]
+        return same, min(diffs) if diffs else None
+
     t_st = t_c = float("inf")
     for _ in range(args.repeat):  # alternated, best of --repeat: the same warm state for both
         (plain, dec_p), t = timed(lambda: static(prompts, eos, compact=False))
@@ -127,7 +148,7 @@ def main() -> None:
             "static_compiled_tokens_per_s": sum(len(r) for r in got_k) / t_k,
             "compile_speedup": t_st / t_k,  # against the graph-only step, no compaction
             "speedup_compiled": t_hf / t_k,
-            "identical_rows_compiled": f"{sum(a == b for a, b in zip(got_k, ref))}/{len(ref)}",
+            "identical_rows_compiled": f"{agree(got_k, ref)[0]}/{len(ref)}" if ref else None,
             "static_compiled_compact_s": t_kc,
             "compile_compact_speedup": t_st / t_kc,
             "compiled_compact_batches": "/".join(str(b) for b, _ in dec_kc.stretches),
@@ -136,19 +157,20 @@ def main() -> None:
             ),
         }
 
-    def agree(a_rows, b_rows):
-        same = sum(a == b for a, b in zip(a_rows, b_rows))
-        first_diff = [
-            next(
-                (i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)),
-            )
-            for a, b in zip(a_rows, b_rows)
-        ]
-        diffs = [d for d in first_diff if d is not None]
-        return same, min(diffs) if diffs else None
+    if args.fuse:  # the first call compiles the three small functions (prefill and step shapes)
+        (_, _), t_fuse_first = timed(lambda: static(prompts, eos, compact=False, fuse=True))
+        t_f = float("inf")
+        for _ in range(args.repeat):
+            (got_f, _), t = timed(lambda: static(prompts, eos, compact=False, fuse=True))
+            t_f = min(t_f, t)
+        extra |= {
+            "static_fused_first_call_s": t_fuse_first,
+            "static_fused_s": t_f,
+            "static_fused_tokens_per_s": sum(len(r) for r in got_f) / t_f,
+            "fuse_speedup": t_st / t_f,  # against the plain graph step, no compaction
+        }
 
-    same, first_div = agree(plain, ref)
+    same, first_div = agree(plain, ref) if ref else (None, None)
     same_c, first_div_c = agree(got, plain)
     tok = sum(len(r) for r in plain)
     steps = sum(n for _, n in dec_p.stretches)
@@ -176,11 +198,16 @@ def main() -> None:
         "compact_batches": "/".join(str(b) for b, _ in dec_c.stretches),
         "compact_steps": "/".join(str(n) for _, n in dec_c.stretches),
         "compact_row_steps_frac": sum(b * n for b, n in dec_c.stretches) / (args.batch * steps),
-        "identical_rows": f"{same}/{len(ref)}",
+        "identical_rows": f"{same}/{len(ref)}" if ref else None,
         "first_divergence_min": first_div,
         "identical_rows_compact_vs_static": f"{same_c}/{len(plain)}",
         "first_divergence_compact_min": first_div_c,
         **extra,
+        **(
+            {"identical_rows_fused_vs_static": f"{agree(got_f, plain)[0]}/{len(plain)}"}
+            if args.fuse
+            else {}
+        ),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
     }
     report(res, args.out)
@@ -194,6 +221,16 @@ def main() -> None:
             )
 
         profile_steps(args.profile, dev, decode, f"static decode, {args.profile_new} tokens", n=2)
+        if args.fuse:
+
+            def decode_fused(_):
+                ids, att = left_pad(prompts, pad)
+                StaticGreedyDecoder(target.model, compact=False, fuse=True, **kw).run(
+                    ids.to(dev), att.to(dev), args.profile_new, None
+                )
+
+            what = f"static decode, fused, {args.profile_new} tokens"
+            profile_steps(args.profile + "_fused", dev, decode_fused, what, n=2)
     if fp32:
         assert got == plain, "compacted tokens differ from the uncompacted decoder's"
     elif got != plain:

@@ -124,10 +124,14 @@ def test_bench_regen_reports_agreement_and_profiles_the_decode(tmp_path):
     res = run_bench(
         "bench_regen",
         ["--target", "tiny", "--batch", "8", "--new", "8", "--check-every", "4", "--min-rows", "2"]
-        + ["--repeat", "1", "--dtype", "float32", "--profile", str(prof), "--profile-new", "4"],
+        + ["--repeat", "1", "--dtype", "float32", "--profile", str(prof), "--profile-new", "4"]
+        + ["--fuse"],
         tmp_path,
     )
     assert res["static_tokens_per_s"] > 0 and res["hf_generate_tokens_per_s"] > 0
     assert res["identical_rows"] == "8/8"  # float32: the static decoder is HF generate's tokens
+    assert res["identical_rows_fused_vs_static"] == "8/8" and res["fuse_speedup"] > 0
     (summary,) = [json.loads(x) for x in (prof / "summary.json").read_text().split("\n") if x]
     assert summary["what"] == "static decode, 4 tokens" and summary["wall_ms_per_step"] > 0
+    fused = tmp_path / "prof_fused" / "summary.json"
+    assert json.loads(fused.read_text().split("\n")[0])["what"] == "static decode, fused, 4 tokens"

@@ -52,7 +52,7 @@ def test_every_experiment_composes_and_builds(exp, tmp_path):
 def test_run_config_names_an_inherited_target():
     """run_config (the device chain converts $EXP's GGUF with it, before the clock): an
     experiment that inherits its target from another (qwen05_chat from qwen05_coder) names it."""
-    from dflash.run.defaults import run_config
+    from dflash.run.cli import run_config
 
     for exp in ("qwen05_coder", "qwen05_chat"):
         rc = run_config([f"+exp={exp}"])

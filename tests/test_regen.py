@@ -178,3 +178,80 @@ def test_shards_and_flat_samples_round_trip(tmp_path):
     assert [s.sample_id for s in back] == [7, 9]
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(samples, back))
     assert all(torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(samples, back))
+
+
+def test_fused_decoding_gives_the_same_tokens_and_restores_the_model(tiny_llama, monkeypatch):
+    """data.regen_fuse: the norms, MLP gates and RoPE of every layer run the fused functions
+    inside the decoder (here through torch.compile's eager backend: the same patching without
+    a kernel build), the tokens are the plain decoder's, and nothing stays patched after."""
+    import dflash.target.fused as fused
+
+    monkeypatch.setattr(fused, "FUSE_BACKEND", "eager")
+    model = tiny_llama.model
+    norms, mlps, mod = fused.fusable_parts(model)
+    n = model.config.num_hidden_layers
+    assert len(norms) == 2 * n + 1 and len(mlps) == n and mod is not None
+    calls = {"rms": 0, "silu": 0, "rope": 0}
+    for name, key in (("_rms_norm", "rms"), ("_silu_mul", "silu"), ("_rope", "rope")):
+        real = getattr(fused, name)
+
+        def spy(*a, real=real, key=key, **kw):
+            calls[key] += 1
+            return real(*a, **kw)
+
+        monkeypatch.setattr(fused, name, spy)
+    eager_rope = mod.apply_rotary_pos_emb
+    prompts, eos = _staggered(tiny_llama, 2)
+    ids, att = left_pad(prompts, 0)
+    plain = cut_at_eos(StaticGreedyDecoder(model).run(ids, att, 24, eos), eos)
+    assert calls == {"rms": 0, "silu": 0, "rope": 0}
+    got = cut_at_eos(StaticGreedyDecoder(model, fuse=True).run(ids, att, 24, eos), eos)
+    assert got == plain
+    steps = 24  # the prefill and 23 one-token steps; + 1: the equivalence check of each kind
+    assert calls == {"rms": steps * (2 * n + 1) + 1, "silu": steps * n + 1, "rope": steps * n + 1}
+    assert mod.apply_rotary_pos_emb is eager_rope
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_fused_decoding_leaves_other_math_alone(tiny_llama):
+    """A norm with another formula (Gemma's 1 + weight) or an MLP with another activation keeps
+    its own forward: only exact equivalents are swapped."""
+    import copy
+
+    import dflash.target.fused as fused
+
+    class OffsetRMSNorm(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.randn(n)), 1e-6
+
+        def forward(self, x):
+            h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+            return (1 + self.weight) * h.to(x.dtype)
+
+    model = copy.deepcopy(tiny_llama.model)
+    layer = model.model.layers[0]
+    layer.input_layernorm = OffsetRMSNorm(model.config.hidden_size)
+    for m in (model.model.layers[1].mlp,):
+        m.act_fn = torch.nn.GELU()
+    norms, mlps, _ = fused.fusable_parts(model)
+    assert layer.input_layernorm not in norms and model.model.layers[1].mlp not in mlps
+    assert layer.post_attention_layernorm in norms and layer.mlp in mlps
+
+
+@pytest.mark.slow
+def test_fused_decoding_compiles_each_chain_once_for_every_batch_shape(tiny_llama):
+    """With inductor (the default backend): one graph per fused function and phase (prefill,
+    one-token steps), reused by batches of other sizes and prompt lengths; float32 tokens equal
+    the plain decoder's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = lambda: counters["stats"]["unique_graphs"]  # noqa: E731
+    prompts = _prompts(6, seed=4)
+    for sub in (prompts, prompts[:3], prompts[2:]):
+        ids, att = left_pad(sub, 0)
+        plain = StaticGreedyDecoder(tiny_llama.model).run(ids, att, 16, None)
+        got = StaticGreedyDecoder(tiny_llama.model, fuse=True).run(ids, att, 16, None)
+        assert torch.equal(got, plain)
+        assert graphs() == 6, f"{graphs()} graphs"  # 3 functions x (prefill, step)

@@ -64,10 +64,14 @@ def run_figure(rows: list[dict]):
         xs, ys = series(rows, key)
         return ax.plot(xs, ys, **kw)[0].get_color() if xs else None
 
+    def legend(ax, **kw):  # a panel with nothing logged (no eval yet) stays without one
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(**kw)
+
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax = axes[0, 0]
     line(ax, "train/loss", label="train loss (hard CE)")
-    ax.set_xlabel("step"), ax.set_title("loss"), ax.legend()
+    ax.set_xlabel("step"), ax.set_title("loss"), legend(ax)
     ax = axes[0, 1]
     line(ax, "train/acc", label="train acc (weighted)")
     for k in sorted(
@@ -77,7 +81,7 @@ def run_figure(rows: list[dict]):
         line(ax, k, marker="o", label=k)
     for k in eval_set_keys(rows, "acc_pos_1"):  # eval.sets: block position 1 per set
         line(ax, k, marker="o", label=f"{k.split('/')[1]} acc_pos_1")
-    ax.set_xlabel("step"), ax.set_title("accuracy"), ax.legend(fontsize=7)
+    ax.set_xlabel("step"), ax.set_title("accuracy"), legend(ax, fontsize=7)
     ax = axes[1, 0]
     line(ax, "eval/tau", marker="o", label="tau (chain)")
     for k in sorted(
@@ -96,11 +100,11 @@ def run_figure(rows: list[dict]):
     (
         ax.set_xlabel("step"),
         ax.set_title("acceptance length (greedy, exact offline)"),
-        ax.legend(fontsize=7),
+        legend(ax, fontsize=7),
     )
     ax = axes[1, 1]
     line(ax, "perf/tokens_per_s", label="tokens/s")
-    ax.set_xlabel("step"), ax.set_title("throughput"), ax.legend()
+    ax.set_xlabel("step"), ax.set_title("throughput"), legend(ax)
     return fig
 
 

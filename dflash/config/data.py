@@ -56,6 +56,9 @@ class DataConfig:
     regen_temperature: float = 0.0  # 0: greedy responses
     regen_compact: bool = False  # CUDA static regen: ended rows leave the batch (GPU: unmeasured)
     regen_compile: bool = False  # CUDA static regen: torch.compile the one-token step, then graph
+    # CUDA static regen: the target's RMSNorm / RoPE / SiLU-gate chains one compiled kernel each
+    # (a small model's decode step is mostly such short kernels; GPU: unmeasured)
+    regen_fuse: bool = False
     # Minutes, then train on the samples done (batches in a seeded random order: a random subset)
     regen_time_limit_min: float | None = None
     seed: int = 1234  # data and order seed

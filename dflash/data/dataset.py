@@ -235,7 +235,7 @@ def build_samples(
 
 
 # do not change what is regenerated (the static decoder's options: the same greedy tokens)
-_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
+_NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact", "regen_compile", "regen_fuse")
 # keys of conversation rows: they change nothing for the random and built-in sources (whose
 # caches therefore keep their names)
 _ROW_KEYS = ("format", "turns", "mix", "hf_split")

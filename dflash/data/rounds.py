@@ -136,7 +136,11 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
             seed=dcfg.seed,
             log=log,
             time_limit_s=left,
-            static_kw={"compact": dcfg.regen_compact, "compile": dcfg.regen_compile},
+            static_kw={
+                "compact": dcfg.regen_compact,
+                "compile": dcfg.regen_compile,
+                "fuse": dcfg.regen_fuse,
+            },
         )
 
     tok = target.tokenizer

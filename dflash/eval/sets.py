@@ -32,7 +32,7 @@ NOT_IN_KEY = (
     "show_rounds",
     "enabled",
 )
-DATA_NOT_IN_KEY = ("cache_dir", "pack_to", "regen_compact", "regen_compile")
+DATA_NOT_IN_KEY = ("cache_dir", "pack_to", "regen_compact", "regen_compile", "regen_fuse")
 
 
 @dataclass

@@ -82,3 +82,12 @@ def typed(cfg):
             "field), or data=selfgen for the target's own text on random prompts",
         }.get(key, f"set {key}=... on the command line")
         raise ValueError(f"missing config value {key}: {hint}") from None
+
+
+def run_config(overrides: list[str] | None = None):
+    """The validated RunConfig these overrides compose, as train.py would get it (outside a
+    Hydra app: e.g. which target an experiment names, to convert its GGUF before a timed run)."""
+    from .defaults import _compose
+
+    setup()
+    return typed(_compose(list(overrides or [])))

@@ -24,15 +24,6 @@ def _compose(overrides: list[str]):
         return compose("config", overrides=overrides)
 
 
-def run_config(overrides: list[str] | None = None):
-    """The validated RunConfig these overrides compose, as train.py would get it (outside a
-    Hydra app: e.g. which target an experiment names, to convert its GGUF before a timed run)."""
-    from .cli import setup, typed
-
-    setup()
-    return typed(_compose(list(overrides or [])))
-
-
 def composed(overrides: list[str] | None = None) -> dict[str, object]:
     """dotted key -> value of the job these overrides compose (none: the default job); a
     group's keys one level deep, like the schema's (target.config stays one dict)."""

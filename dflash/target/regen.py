@@ -17,6 +17,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from .fused import fused_decoding
+
 PACKED_GQA = "dflash_sdpa_packed_gqa"
 
 
@@ -102,18 +104,19 @@ class StaticGreedyDecoder:
         check_every: int = 32,
         min_rows: int = 64,
         shrink: float = 0.75,
+        fuse: bool = False,
     ):
         # compile: torch.compile the step first (fuses the norms / RoPE / SiLU kernels that bound
         # a small model's decode step), then capture the compiled step in the graph.
         self.model, self.use_graph, self.compile = model, use_graph, compile
         self.compact, self.check_every, self.min_rows = compact, check_every, min_rows
-        self.shrink = shrink
+        self.shrink, self.fuse = shrink, fuse  # fuse: fused_decoding (prefill and every step)
         self.stretches: list[list[int]] = []
         self.graph_used = False
 
     @torch.no_grad()
     def run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):
-        with packed_gqa_decoding(self.model):
+        with packed_gqa_decoding(self.model), fused_decoding(self.model, self.fuse):
             return self._run(ids_BP, att_BP, max_new, eos)
 
     def _run(self, ids_BP: torch.Tensor, att_BP: torch.Tensor, max_new: int, eos: int | None):

@@ -7,6 +7,7 @@
 #   WHAT=worker27b bash scripts/device/bench13.sh  (carry .fla: the fla wheels)
 #   WHAT=qwen05_cg bash scripts/device/bench13.sh  (the step as CUDA graphs: --cudagraph-ab)
 #   WHAT=regen_prof bash scripts/device/bench13.sh  (regeneration at the recipe's shape, profiled)
+#   WHAT=regen_fuse bash scripts/device/bench13.sh  (data.regen_fuse vs plain, batch 512 and 1024)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
@@ -41,11 +42,19 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
         timeout 120 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
           --new 256 --out "$OUT/regen_$b.json"
       done ;;
-    regen_prof)  # the recipe's regeneration shape, profiled: where a decode step's ~9-14 ms go
+    regen_prof)  # the recipe's regeneration shape, profiled: where a decode step's ~9-14 ms go,
+      # plain and with data.regen_fuse (prof_regen_prof_fused), no HF reference, no whole-step compile
       timeout 240 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch 512 \
-        --new 256 --prompt-min 64 --prompt-max 384 --repeat 1 --compile --profile "$OUT/prof_$w" \
-        --out "$OUT/regen_prof.json"
-      pack_profile $w ;;
+        --new 256 --prompt-min 64 --prompt-max 384 --repeat 1 --skip-hf --fuse \
+        --profile "$OUT/prof_$w" --out "$OUT/regen_prof.json"
+      pack_profile $w; tar czf "$OUT/prof_${w}_fused.tgz" -C "$OUT" "prof_${w}_fused" \
+        && rm -rf "$OUT/prof_${w}_fused" ;;
+    regen_fuse)  # data.regen_fuse against the plain graph step, batch 512 and 1024 (one call)
+      for b in 512 1024; do
+        timeout 150 python3 benchmarks/bench_regen.py --target qwen2_5_coder_0_5b --batch $b \
+          --new 256 --prompt-min 64 --prompt-max 384 --repeat 2 --skip-hf --fuse \
+          --out "$OUT/regen_fuse_$b.json"
+      done ;;
     *) echo "unknown: $w" ;;
   esac > "$OUT/$w.log" 2>&1
   echo "$w rc=$? $(( $(date +%s) - t )) s" | tee -a "$OUT/status"

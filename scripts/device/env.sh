@@ -29,7 +29,7 @@ assemble() {  # cat the uploaded chunks (/tmp/a/parts) into the GGUFs / ShareGPT
 convert_target() {  # the GGUF -> transformers conversion of $EXP's target (cached), timed to the status
   local t=$(date +%s)
   python3 -c "
-from dflash.run.defaults import run_config
+from dflash.run.cli import run_config
 from dflash.target.load import resolve_local_path
 print(resolve_local_path(run_config(['+exp=$EXP']).target))" > /tmp/res/convert.out 2>&1
   echo "convert rc=$? $(( $(date +%s) - t )) s" >> /tmp/res/status
