@@ -1,7 +1,7 @@
 """The target's short elementwise chains in a decode step (RMSNorm, RoPE, the SwiGLU gate) as
 one compiled kernel each, for the static greedy decoder (`data.regen_fuse`). A one-token step of
 a small model is mostly such kernels: Qwen2.5-0.5B's is ~1,030 kernels, ~680 of them in these
-chains, ~100 once fused (a CPU count of its aten ops). Only modules whose eager math is exactly
+chains, which fused are ~100 (a CPU count of its aten ops). Only modules whose eager math is exactly
 the fused function's are swapped (checked per class), and only within `fused_decoding`."""
 
 from __future__ import annotations
