@@ -5,6 +5,7 @@ turn boundaries) and mixtures at their weights."""
 import gzip
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from conftest import make_drafter, target_cfg
 
 from dflash.config import DataConfig, MixSourceConfig
 from dflash.data.batch import Sample, collate, target_forward
-from dflash.data.dataset import generate_greedy, load_or_build_dataset
+from dflash.data.dataset import dataset_path, generate_greedy, load_or_build_dataset
 from dflash.data.files import read_conversations, text_prompts
 from dflash.data.mix import mix_quotas, mix_report, training_conversations
 from dflash.data.prompts import TokenTable
@@ -205,7 +206,7 @@ CONVS = [
 ]
 
 
-def _reference_samples(target, convs, response_len):
+def _reference_samples(target, convs, response_len, max_turns=None):
     """An independent turn-by-turn loop: the byte template's text written out by hand, one
     conversation and one turn at a time, each answer generated (batch 1) after the target's
     own earlier answers."""
@@ -226,7 +227,7 @@ def _reference_samples(target, convs, response_len):
             f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in msgs if m["role"] == "system"
         )
         ids, mask = [], []
-        for m in [m for m in msgs if m["role"] == "user"]:
+        for m in [m for m in msgs if m["role"] == "user"][:max_turns]:
             if ids:  # the end of the previous answer's turn (its EOS when it generated one)
                 text = ("" if ids[-1] == tok.eos_token_id else "<|im_end|>") + "\n"
             text += f"<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n{think}"
@@ -263,6 +264,20 @@ def test_all_turns_are_the_targets_own_answers_after_its_own_earlier_ones(tmp_pa
     )
     assert [int(s.loss_mask.sum()) for s in first] == [5, 5, 5]
     assert first[0].input_ids.tolist()[: len(ref[0][0])][:30] == ref[0][0][:30]
+    # data.max_turns=2: every conversation stops after its second answer (a cache of its own)
+    logs = []
+    two = load_or_build_dataset(
+        replace(dc, max_turns=2), tc, tiny_llama, str(tmp_path / "cache"), log=logs.append
+    )
+    ref2 = _reference_samples(tiny_llama, CONVS, 5, max_turns=2)
+    assert [s.input_ids.tolist() for s in two] == [r[0] for r in ref2]
+    assert [int(s.loss_mask.sum()) for s in two] == [10, 5, 10]
+    assert any("5 user turns answered in order" in m for m in logs), logs
+    assert any("answers 5, turns_past_max_turns 1" in m for m in logs), logs
+    path = dataset_path(dc, tc, str(tmp_path / "cache"))
+    assert dataset_path(replace(dc, max_turns=2), tc, str(tmp_path / "cache")) != path
+    with pytest.raises(ValueError, match="data.max_turns must be a whole number >= 1"):
+        replace(dc, max_turns=0).validate()
 
 
 def _fake_tp(first, glues):

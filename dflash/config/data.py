@@ -43,6 +43,9 @@ class DataConfig:
     # data.max_length) | first (the first user turn only) | last (the last user turn, after the
     # row's own earlier turns)
     turns: str = "all"
+    # turns=all: answer at most this many user turns of a conversation (null: every one that fits
+    # data.max_length); the later turns' rounds are small batches that each pay a whole decode
+    max_turns: int | None = None
     # data.source=mix: named sources and their weights (shares of data.num_samples), e.g.
     # [{name: sharegpt, weight: 0.7, source: jsonl, paths: [...]}, {name: code, weight: 0.3, source: stdlib}]
     mix: list[MixSourceConfig] = field(default_factory=list)
@@ -92,6 +95,12 @@ class DataConfig:
         check_positive(
             "data.regen_time_limit_min", self.regen_time_limit_min, " minutes (null: all)"
         )
+        if self.max_turns is not None and (
+            int(self.max_turns) != self.max_turns or self.max_turns < 1
+        ):
+            raise ValueError(
+                f"data.max_turns must be a whole number >= 1 or null (every turn), got {self.max_turns}"
+            )
         if self.pack_to is not None and self.pack_to < self.max_length:
             raise ValueError(
                 f"data.pack_to={self.pack_to} is shorter than data.max_length="

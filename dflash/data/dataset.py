@@ -238,7 +238,9 @@ def build_samples(
 _NOT_IN_FINGERPRINT = ("cache_dir", "pack_to", "regen_compact", "regen_compile", "regen_fuse")
 # keys of conversation rows: they change nothing for the random and built-in sources (whose
 # caches therefore keep their names)
-_ROW_KEYS = ("format", "turns", "mix", "hf_split")
+_ROW_KEYS = ("format", "turns", "mix", "hf_split", "max_turns")
+# added since caches were first named: in the key only when set (older caches keep their names)
+_KEYED_WHEN_SET = ("max_turns",)
 
 
 def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
@@ -247,7 +249,11 @@ def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> s
     )
     key = json.dumps(
         {
-            "data": {k: v for k, v in vars(dcfg).items() if k not in skip},
+            "data": {
+                k: v
+                for k, v in vars(dcfg).items()
+                if k not in skip and not (k in _KEYED_WHEN_SET and v is None)
+            },
             "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
             "extra": extra,
         },

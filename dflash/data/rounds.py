@@ -109,7 +109,9 @@ def turn_prompts(dcfg: DataConfig, tcfg: TargetConfig, target, log=print) -> Tur
     from .mix import training_conversations
 
     convs, sources = training_conversations(dcfg, log)
-    return encode_turns(convs, target.tokenizer, tcfg, dcfg.turns, dcfg.max_length, sources)
+    return encode_turns(
+        convs, target.tokenizer, tcfg, dcfg.turns, dcfg.max_length, sources, dcfg.max_turns
+    )
 
 
 def partial_path(path: str, k: int) -> str:
@@ -154,6 +156,7 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
     if tp.stats.get("turns", len(tp)) > len(tp):  # conversations with several user turns
         stats["answers"] = sum(len(s) for s in spans)
         stats.update({k: v for k, v in turn_stats.items() if v})
-        if tp.stats.get("turns_past_max_length"):
-            stats["turns_past_max_length"] = tp.stats["turns_past_max_length"]
+        for key in ("turns_past_max_length", "turns_past_max_turns"):
+            if tp.stats.get(key):
+                stats[key] = tp.stats[key]
     return samples, stats, [partial_path(path, k) for k in range(max(rounds, 1))]

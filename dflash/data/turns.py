@@ -63,13 +63,20 @@ def encode_turns(
     turns: str,
     max_length: int,
     sources: Iterable[int] | None = None,
+    max_turns: int | None = None,
 ) -> TurnPrompts:
     """Token ids of the conversations' turns, a chunk at a time. A conversation whose first
     prompt leaves no room for an answer within max_length is left out (counted); later turns are
-    encoded while the prompts so far leave room (the answers' lengths are not known yet)."""
+    encoded while the prompts so far leave room (the answers' lengths are not known yet), up to
+    max_turns user turns (None: all; the rest counted)."""
     first, glue = TokenTable(), TokenTable()
     starts, srcs = [0], []
-    stats = {"prompt_too_long": 0, "turns": 0, "turns_past_max_length": 0}
+    stats = {
+        "prompt_too_long": 0,
+        "turns": 0,
+        "turns_past_max_length": 0,
+        "turns_past_max_turns": 0,
+    }
     src_iter = iter(sources) if sources is not None else None
     chunk: list = []
 
@@ -78,14 +85,16 @@ def encode_turns(
         keep = [j for j, p in enumerate(ids) if len(p) < max_length]
         stats["prompt_too_long"] += len(chunk) - len(keep)
         kept = [chunk[j][0] for j in keep]
-        glues = _glues(kept, [ids[j] for j in keep], tokenizer, tcfg, max_length, turns)
+        glues = _glues(kept, [ids[j] for j in keep], tokenizer, tcfg, max_length, turns, max_turns)
         first.extend([ids[j] for j in keep])
         glue.extend([row for g in glues for row in g])  # one part per chunk
         for c, g in zip(kept, glues):
             starts.append(starts[-1] + len(g))
             users = len(c.user_indices()) if turns == "all" and not c.plain else 1
+            capped = min(users, max_turns) if max_turns else users
             stats["turns"] += 1 + len(g)
-            stats["turns_past_max_length"] += users - 1 - len(g)
+            stats["turns_past_max_length"] += capped - 1 - len(g)
+            stats["turns_past_max_turns"] += users - capped
         srcs.extend(chunk[j][1] for j in keep)
         chunk.clear()
 
@@ -100,9 +109,11 @@ def encode_turns(
     )
 
 
-def _glues(convs, firsts, tokenizer, tcfg: TargetConfig, max_length: int, turns: str):
+def _glues(
+    convs, firsts, tokenizer, tcfg: TargetConfig, max_length: int, turns: str, max_turns=None
+):
     """Per conversation, the glue token ids after each answer but the last, while the tokens so
-    far stay below max_length."""
+    far stay below max_length and the turns within max_turns."""
     out: list[list[list[int]]] = [[] for _ in convs]
     if turns != "all":
         return out
@@ -110,7 +121,10 @@ def _glues(convs, firsts, tokenizer, tcfg: TargetConfig, max_length: int, turns:
     users = [[i for i, m in enumerate(s) if m["role"] == "user"] for s in skels]
     used = [len(f) for f in firsts]
     k = 1
-    while todo := [j for j in range(len(convs)) if len(users[j]) > k and used[j] < max_length]:
+    last = max_turns or max((len(u) for u in users), default=0)
+    while k < last and (
+        todo := [j for j in range(len(convs)) if len(users[j]) > k and used[j] < max_length]
+    ):
         texts = _glue_texts([_history(skels[j], users[j], k) for j in todo], k, tokenizer, tcfg)
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         for j, g in zip(todo, ids):

@@ -32,7 +32,15 @@ NOT_IN_KEY = (
     "show_rounds",
     "enabled",
 )
-DATA_NOT_IN_KEY = ("cache_dir", "pack_to", "regen_compact", "regen_compile", "regen_fuse")
+# (the eval sets answer every turn that fits: data.max_turns is training's)
+DATA_NOT_IN_KEY = (
+    "cache_dir",
+    "pack_to",
+    "regen_compact",
+    "regen_compile",
+    "regen_fuse",
+    "max_turns",
+)
 
 
 @dataclass
