@@ -49,4 +49,9 @@ if [ "${FP32:-1}" = 1 ]; then  # FP32=0: no fp32 check (saves ~1 min of GPU time
     out=/tmp/res/eval32.json > /tmp/res/eval32.out 2>&1
   echo "eval32 rc=$? $(date +%s)" >> /tmp/res/status
 fi
+if [ -n "${AFTER:-}" ]; then  # AFTER="regen_fuse regen_prof": bench13.sh items on the same machine
+  # (random weights, no uploads), their JSON and profiles in /tmp/res/bench13 (in all.tgz)
+  WHAT="$AFTER" OUT=/tmp/res/bench13 bash scripts/device/bench13.sh > /tmp/res/after.out 2>&1
+  echo "after rc=$? $(date +%s)" >> /tmp/res/status
+fi
 touch /tmp/res/done
