@@ -31,5 +31,12 @@ if os.path.exists("/tmp/res/bench_run_samples.json"):
     print("bench on the run's samples: loop", round(b["loop_tokens_per_s"]), "tokens/s; overlapped",
           "source", round(b["tokens_per_step"] / ovl * 1e3) if ovl else "-", "tokens/s;",
           round(b["tokens_per_step"]), "tokens a step (the run: perf/tokens_per_s above)")
+import glob
+for path in sorted(glob.glob("/tmp/res/bench13/regen_fuse_*.json")):  # AFTER=regen_fuse
+    r = json.load(open(path))
+    print(f"regen batch {r['batch']}: plain {r['static_tokens_per_s']:,.0f} tokens/s, fused",
+          f"{r.get('static_fused_tokens_per_s', float('nan')):,.0f} ({r.get('fuse_speedup', 0):.2f}x),",
+          f"first fused call {r.get('static_fused_first_call_s', 0):.1f} s,",
+          f"identical rows {r.get('identical_rows_fused_vs_static')}")
 PY
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
