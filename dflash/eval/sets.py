@@ -63,7 +63,7 @@ def consistent_greedy(target, prompt: list[int], completion: list[int]) -> EvalI
     ids = torch.tensor(list(prompt) + list(completion), dtype=torch.long, device=target.device)[
         None
     ]
-    out = target.capture(ids, with_final_hidden=True)
+    out = target.capture(ids, with_final_hidden=True, compiled=False)  # one row: eager
     P = len(prompt)
     pred = out.next_token_NT[0, P - 1 : -1].cpu()
     comp = torch.tensor(completion, dtype=torch.long)

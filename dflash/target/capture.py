@@ -124,12 +124,16 @@ class Target(nn.Module):
         with_final_hidden: bool = False,
         label_chunk: int = 4096,
         position_ids_NT: torch.Tensor | None = None,
+        compiled: bool = True,
     ) -> TargetOutput:
         """One no-grad forward: aux states via hooks (only the K taps are kept), hard labels from
         the clean logits computed in chunks (the full [N, T, V] logits are never held).
         position_ids_NT restarting inside a row (no attention mask, no cache): packed samples,
-        which transformers' attention masks keep apart."""
-        with self.tap_aux() as taps, CompiledLayers.active(self.compiled_layers):
+        which transformers' attention masks keep apart. compiled=False: the eager layers even
+        with target.compile_layers (the eval sets' one-row checks: a compile specialised to one
+        row would be thrown away at the first training batch)."""
+        layers = self.compiled_layers if compiled else None
+        with self.tap_aux() as taps, CompiledLayers.active(layers):
             out = self.model.get_decoder()(
                 input_ids=input_ids_NT,
                 attention_mask=attention_mask_NT,

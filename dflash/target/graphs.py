@@ -111,8 +111,9 @@ class CaptureGraphs:
 class CompiledLayers:
     """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes; of
     a Gated-DeltaNet layer, its MLP or the whole layer: `units`),
-    swapped in only for the clean capture: regeneration and eval decoding keep the eager layers
-    (their static-cache steps would compile again for nothing). Per layer, so the aux taps
+    swapped in only for the clean capture: regeneration, eval decoding and the eval sets'
+    one-row checks keep the eager layers (their shapes would compile again for nothing; on the
+    H100 the one-row compile came first and the first training batch recompiled). Per layer, so the aux taps
     (forward hooks on the layers) stay outside the compiled code. A compile error warns once and
     the layers run eagerly from then on: the same forward, uncompiled."""
 
