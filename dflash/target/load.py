@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Sequence
 
 import torch
@@ -155,8 +156,6 @@ def resolve_local_path(cfg: TargetConfig) -> str:
     gguf = os.path.join(path, cfg.gguf_file)
     if not os.path.exists(gguf):
         raise FileNotFoundError(f"{gguf} not found; run `bash ../shared/scripts/fetch_models.sh`")
-    import time
-
     t0 = time.perf_counter()
     print(
         f"target: converting {gguf} to a plain directory (once; ~1-2 min for a 0.5B model), "
