@@ -64,25 +64,6 @@ def test_smollm2_loads_from_gguf(smol):
 
 
 @needs_smol
-def test_gguf_conversion_says_what_it_does_and_is_cached(tmp_path, capsys):
-    """The one-off GGUF -> transformers conversion (a minute or two inside a budgeted run's
-    target load) prints where it goes and how long it took, then is read from its cache."""
-    import dataclasses
-
-    from dflash.target.load import resolve_local_path
-
-    os.symlink(SMOL_GGUF, tmp_path / os.path.basename(SMOL_GGUF))
-    cfg = target_config_from_yaml("smollm2_135m", device="cpu", dtype="float32")
-    cfg = dataclasses.replace(cfg, path=str(tmp_path))
-    out = resolve_local_path(cfg)
-    assert out == str(tmp_path / "hf-SmolLM2-135M-Instruct.Q4_1")
-    said = capsys.readouterr().out
-    assert f"target: converting {tmp_path}/SmolLM2-135M-Instruct.Q4_1.gguf" in said
-    assert f"cached at {out}" in said and "target: converted in " in said
-    assert resolve_local_path(cfg) == out and capsys.readouterr().out == ""  # cached: silent
-
-
-@needs_smol
 def test_smollm2_aux_states_equal_hf_hidden_states(smol):
     _, t = smol
     ids = torch.tensor(
@@ -139,14 +120,19 @@ def test_qwen2_5_coder_mask_token_is_fim_pad():
 
 
 @needs_smol
-def test_gguf_converts_once_to_a_plain_directory(tmp_path):
-    """The dequantized GGUF weights survive the conversion exactly, and a second call reuses it."""
+def test_gguf_converts_once_to_a_plain_directory(tmp_path, capsys):
+    """The dequantized GGUF weights survive the conversion exactly, and a second call reuses it.
+    The conversion (a minute or two inside a budgeted run's target load) says where it goes and
+    how long it took; the cached call says nothing."""
     from dflash.target.load import resolve_local_path
 
     os.makedirs(tmp_path / "smollm2")
     os.symlink(SMOL_GGUF, tmp_path / "smollm2" / os.path.basename(SMOL_GGUF))
     cfg = target_config_from_yaml("smollm2_135m", path=str(tmp_path / "smollm2"))
     path = resolve_local_path(cfg)
+    said = capsys.readouterr().out
+    assert f"target: converting {tmp_path}/smollm2/{os.path.basename(SMOL_GGUF)}" in said
+    assert f"cached at {path}" in said and "target: converted in " in said
     assert sorted(os.listdir(tmp_path / "smollm2")) == sorted(
         [os.path.basename(SMOL_GGUF), os.path.basename(path)]
     )
@@ -155,6 +141,7 @@ def test_gguf_converts_once_to_a_plain_directory(tmp_path):
         resolve_local_path(cfg) == path
         and os.path.getmtime(os.path.join(path, "config.json")) == mtime
     )
+    assert capsys.readouterr().out == ""
     from transformers import AutoModelForCausalLM
 
     converted = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
