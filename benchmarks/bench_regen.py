@@ -214,23 +214,19 @@ def main() -> None:
     if args.profile:  # where a decode step's time goes: the graph replays' kernels, by kernel
         from common import profile_steps
 
-        def decode(_):
-            ids, att = left_pad(prompts, pad)
-            StaticGreedyDecoder(target.model, compact=False, **kw).run(
-                ids.to(dev), att.to(dev), args.profile_new, None
-            )
-
-        profile_steps(args.profile, dev, decode, f"static decode, {args.profile_new} tokens", n=2)
-        if args.fuse:
-
-            def decode_fused(_):
+        def decode(fuse: bool):
+            def run(_):
                 ids, att = left_pad(prompts, pad)
-                StaticGreedyDecoder(target.model, compact=False, fuse=True, **kw).run(
+                StaticGreedyDecoder(target.model, compact=False, fuse=fuse, **kw).run(
                     ids.to(dev), att.to(dev), args.profile_new, None
                 )
 
-            what = f"static decode, fused, {args.profile_new} tokens"
-            profile_steps(args.profile + "_fused", dev, decode_fused, what, n=2)
+            return run
+
+        for fuse in (False, True) if args.fuse else (False,):
+            what = f"static decode, {'fused, ' if fuse else ''}{args.profile_new} tokens"
+            path = args.profile + ("_fused" if fuse else "")
+            profile_steps(path, dev, decode(fuse), what, n=2)
     if fp32:
         assert got == plain, "compacted tokens differ from the uncompacted decoder's"
     elif got != plain:

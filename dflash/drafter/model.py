@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ..common.chains import rms_norm, silu_gate
 from .attention import flex_attention, is_block_mask
 from .fuse import fused
 from .rope import Rotary, apply_rope
@@ -35,17 +36,8 @@ def head_logits(h_MH, w_VH, logit_transform=None, b_V=None):
 __all__ = ["DFlashDrafter", "Rotary", "num_params"]
 
 
-@fused
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-@fused
-def _silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+_rms_norm = fused(rms_norm)
+_silu_gate = fused(silu_gate)
 
 
 class RMSNorm(nn.Module):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..common.chains import rope
 from .fuse import fused
 
 
@@ -73,6 +74,4 @@ class Rotary:
 @fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [N, h, L, d]; cos/sin [N, L, d]."""
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return rope(x, cos[:, None], sin[:, None])

@@ -1,8 +1,9 @@
-"""The target's short elementwise chains in a decode step (RMSNorm, RoPE, the SwiGLU gate) as
-one compiled kernel each, for the static greedy decoder (`data.regen_fuse`). A one-token step of
-a small model is mostly such kernels: Qwen2.5-0.5B's is ~1,030 kernels, ~680 of them in these
-chains, which fused are ~100 (a CPU count of its aten ops). Only modules whose eager math is exactly
-the fused function's are swapped (checked per class), and only within `fused_decoding`."""
+"""The target's short elementwise chains in a decode step (RMSNorm, RoPE, the SwiGLU gate;
+dflash.common.chains) as one compiled kernel each, for the static greedy decoder
+(`data.regen_fuse`). A one-token step of a small model is mostly such kernels: Qwen2.5-0.5B's is
+~1,030 kernels, ~680 of them in these chains, which fused are ~100 (a CPU count of its aten ops).
+Only modules whose eager math is exactly the fused function's are swapped (checked per class),
+and only within `fused_decoding`."""
 
 from __future__ import annotations
 
@@ -10,31 +11,21 @@ import contextlib
 import sys
 
 import torch
-import torch.nn.functional as F
+
+from ..common.chains import rms_norm, rope, silu_gate
 
 FUSE_BACKEND = "inductor"  # tests swap in "eager" (the same patching without a C++/Triton build)
 _COMPILED: dict = {}
 
 
-def _rms_norm(x, weight, eps: float):
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
-def _silu_mul(gate, up):
-    return F.silu(gate) * up
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# module attributes (tests spy on them): the shared chains, RoPE with transformers' signature
+_rms_norm = rms_norm
+_silu_mul = silu_gate
 
 
 def _rope(q, k, cos, sin, unsqueeze_dim=1):
     cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return rope(q, cos, sin), rope(k, cos, sin)
 
 
 def _compiled_fn(fn):

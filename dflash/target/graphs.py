@@ -113,9 +113,9 @@ class CompiledLayers:
     a Gated-DeltaNet layer, its MLP or the whole layer: `units`),
     swapped in only for the clean capture: regeneration, eval decoding and the eval sets'
     one-row checks keep the eager layers (their shapes would compile again for nothing; on the
-    H100 the one-row compile came first and the first training batch recompiled). Per layer, so the aux taps
-    (forward hooks on the layers) stay outside the compiled code. A compile error warns once and
-    the layers run eagerly from then on: the same forward, uncompiled."""
+    H100 the one-row compile came first and the first training batch recompiled). Per layer, so
+    the aux taps (forward hooks on the layers) stay outside the compiled code. A compile error
+    warns once and the layers run eagerly from then on: the same forward, uncompiled."""
 
     BACKEND = "inductor"  # tests swap in "eager" (the same mechanics without a C++/Triton build)
 
