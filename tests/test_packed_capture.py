@@ -248,6 +248,32 @@ def test_compiled_layers_capture_equals_eager_and_only_inside_the_capture(monkey
     assert torch.equal(got.next_token_NT, ref.next_token_NT)
 
 
+def test_compiled_layers_compile_once_for_packed_and_unpacked_rows(monkeypatch):
+    """Packed rows carry their own positions ([R, T] -> position embeddings [R, T, D]), unpacked
+    rows share one ([1, T, D]); the compiled layers see both at the run-start packing check. With
+    dynamic shapes the two batch sizes' equality was a guard, and the second kind compiled every
+    layer again (the H200 run of 2026-12-05: "duck sizing added this equality")."""
+    from torch._dynamo.utils import counters
+
+    target = get_target("tiny_llama")
+    samples = _samples(target.vocab_size)
+    target.compiled_layers = compiled = _compiled(target, monkeypatch)
+    packs, pending = target.packs_capture, target.pack_check_pending
+    counters.clear()
+    try:
+        target.packs_capture, target.pack_check_pending = True, False
+        target_forward(target, collate(samples, pad_id=0, pack_to=64))  # packed rows only
+        compiles = counters["frames"]["total"]
+        _both(target, collate(samples[2:], pad_id=0, pack_to=48))  # the check: both kinds
+        target.packs_capture = False
+        target_forward(target, collate(samples[:5], pad_id=0))  # other rows, unpacked
+    finally:
+        target.compiled_layers = None
+        target.packs_capture, target.pack_check_pending = packs, pending
+    assert not compiled.failed
+    assert compiles >= 1 and counters["frames"]["total"] == compiles
+
+
 def test_compiled_layers_trace_a_hybrid_target(monkeypatch):
     """Gated-DeltaNet + attention layers (the 27B worker's kind; unpacked rows, torch kernels on
     CPU) go through dynamo too, with the eager forward's aux states and labels: the first step

@@ -108,6 +108,23 @@ class CaptureGraphs:
         return graph, static, out
 
 
+def _rows_matched(args, kwargs) -> dict:
+    """kwargs with `position_embeddings` broadcast over the rows ([1, T, D]: unpacked rows share
+    their positions; packed rows restart them, [R, T, D]) copied out to the rows' count (a few MB;
+    an expanded view would differ in strides). Dynamic shapes would otherwise guard on whether
+    the two batch sizes are equal, and the first capture of the other kind compiles every layer
+    again (a real run's log: "duck sizing added
+    this equality", at the run-start packing check, ~10 s on the GPU)."""
+    pe, h = kwargs.get("position_embeddings"), args[0] if args else kwargs.get("hidden_states")
+    if not (isinstance(pe, tuple) and torch.is_tensor(h) and h.dim() >= 2):
+        return kwargs
+    rows = h.shape[0]
+    if all(torch.is_tensor(t) and t.dim() == h.dim() and t.shape[0] == 1 != rows for t in pe):
+        pe = tuple(t.expand(rows, *t.shape[1:]).contiguous() for t in pe)
+        return {**kwargs, "position_embeddings": pe}
+    return kwargs
+
+
 class CompiledLayers:
     """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes; of
     a Gated-DeltaNet layer, its MLP or the whole layer: `units`),
@@ -164,7 +181,7 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if not self.failed:
                 try:
-                    return compiled(*args, **kwargs)
+                    return compiled(*args, **_rows_matched(args, kwargs))
                 except torch._dynamo.exc.TorchDynamoException as e:
                     self.failed = True
                     print(
