@@ -131,6 +131,8 @@ def test_bench_regen_reports_agreement_and_profiles_the_decode(tmp_path):
     assert res["static_tokens_per_s"] > 0 and res["hf_generate_tokens_per_s"] > 0
     assert res["identical_rows"] == "8/8"  # float32: the static decoder is HF generate's tokens
     assert res["identical_rows_fused_vs_static"] == "8/8" and res["fuse_speedup"] > 0
+    assert res["identical_rows_fused_compact_vs_compact"] == "8/8"
+    assert res["fuse_compact_speedup"] > 0
     (summary,) = [json.loads(x) for x in (prof / "summary.json").read_text().split("\n") if x]
     assert summary["what"] == "static decode, 4 tokens" and summary["wall_ms_per_step"] > 0
     fused = tmp_path / "prof_fused" / "summary.json"

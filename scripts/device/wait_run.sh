@@ -37,6 +37,9 @@ for path in sorted(glob.glob("/tmp/res/bench13/regen_fuse_*.json")):  # AFTER=re
     print(f"regen batch {r['batch']}: plain {r['static_tokens_per_s']:,.0f} tokens/s, fused",
           f"{r.get('static_fused_tokens_per_s', float('nan')):,.0f} ({r.get('fuse_speedup', 0):.2f}x),",
           f"first fused call {r.get('static_fused_first_call_s', 0):.1f} s,",
-          f"identical rows {r.get('identical_rows_fused_vs_static')}")
+          f"identical rows {r.get('identical_rows_fused_vs_static')};",
+          f"compacted {r['compact_speedup']:.2f}x, fused + compacted",
+          f"{r.get('fuse_compact_speedup', 0):.2f}x (rows as compacted:",
+          f"{r.get('identical_rows_fused_compact_vs_compact')})")
 PY
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
