@@ -33,7 +33,7 @@ def _compiled_fn(fn):
     length and layer reuse the one graph). Inductor rounds to bf16 where eager does
     (`emulate_precision_casts`): left to itself it keeps a chain's intermediates in float32 and
     rounds once, which changed ~26-34 % of the bf16 outputs of each chain (CPU, 2026-12-05) and
-    85 of 512 regenerated rows on the H200; with it the outputs are the eager bits."""
+    75 of 512 regenerated rows on the H200 bench; with it the outputs are the eager bits."""
     key = (fn, FUSE_BACKEND)
     if key not in _COMPILED:
         opts = {"emulate_precision_casts": True} if FUSE_BACKEND == "inductor" else None
