@@ -434,10 +434,12 @@ def test_colocated_source_never_waits_for_the_gpu(overlap, label_sampling):
     assert math.isfinite(figures.read()["train/loss"])
 
 
-def test_static_compiled_step_matches_eager_on_cuda():
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_static_compiled_step_matches_eager_on_cuda(variant):
     """train.compile with inductor on the device (flex attention, the fused CE, labels by weight
     and the fused chains inside one graph): batches of three lengths padded to one row length
-    run one compiled graph and give the eager step's loss and updates (bf16 autocast)."""
+    run one compiled graph and give the eager step's loss and updates (bf16 autocast). DFlash2
+    too (its convolutions and selector loss): the recipe's next ablation compiles it."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -450,7 +452,7 @@ def test_static_compiled_step_matches_eager_on_cuda():
 
     torch._dynamo.reset()
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="bfloat16"), num_aux=3)
-    drafter = make_drafter(t)
+    drafter = make_drafter(t, variant=variant)
     dev = torch.device("cuda")
 
     def trainer(**over):
