@@ -266,12 +266,23 @@ def test_compiled_layers_compile_once_for_packed_and_unpacked_rows(monkeypatch):
         compiles = counters["frames"]["total"]
         _both(target, collate(samples[2:], pad_id=0, pack_to=48))  # the check: both kinds
         target.packs_capture = False
+        seen, real = [], compiled._rows_matched
+
+        def spy(args, kwargs):
+            out = real(args, kwargs)
+            seen.append(out["position_embeddings"])
+            return out
+
+        compiled._rows_matched = spy
         target_forward(target, collate(samples[:5], pad_id=0))  # other rows, unpacked
     finally:
         target.compiled_layers = None
         target.packs_capture, target.pack_check_pending = packs, pending
     assert not compiled.failed
     assert compiles >= 1 and counters["frames"]["total"] == compiles
+    # the rows' copy of the shared position embeddings is made once a forward, for every layer
+    assert len(seen) == target.num_layers and all(pe is seen[0] for pe in seen)
+    assert seen[0][0].shape[0] == 5 and compiled._pe is None  # dropped after the capture
 
 
 def test_compiled_layers_trace_a_hybrid_target(monkeypatch):

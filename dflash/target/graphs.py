@@ -108,23 +108,6 @@ class CaptureGraphs:
         return graph, static, out
 
 
-def _rows_matched(args, kwargs) -> dict:
-    """kwargs with `position_embeddings` broadcast over the rows ([1, T, D]: unpacked rows share
-    their positions; packed rows restart them, [R, T, D]) copied out to the rows' count (a few MB;
-    an expanded view would differ in strides). Dynamic shapes would otherwise guard on whether
-    the two batch sizes are equal, and the first capture of the other kind compiles every layer
-    again (the H200 run of 2026-12-05: "duck sizing added this equality" at the run-start
-    packing check; both compiles were in its first step's 13.7 s of target time)."""
-    pe, h = kwargs.get("position_embeddings"), args[0] if args else kwargs.get("hidden_states")
-    if not (isinstance(pe, tuple) and torch.is_tensor(h) and h.dim() >= 2):
-        return kwargs
-    rows = h.shape[0]
-    if all(torch.is_tensor(t) and t.dim() == h.dim() and t.shape[0] == 1 != rows for t in pe):
-        pe = tuple(t.expand(rows, *t.shape[1:]).contiguous() for t in pe)
-        return {**kwargs, "position_embeddings": pe}
-    return kwargs
-
-
 class CompiledLayers:
     """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes; of
     a Gated-DeltaNet layer, its MLP or the whole layer: `units`),
@@ -139,6 +122,28 @@ class CompiledLayers:
     def __init__(self, layers):
         self.layers, self.failed = list(layers), False
         self.fns = [self._guarded(layer.forward) for layer in self.layers]
+        self._pe = None  # (the shared position embeddings, rows, their copy): one per forward
+
+    def _rows_matched(self, args, kwargs) -> dict:
+        """kwargs with `position_embeddings` broadcast over the rows ([1, T, D]: unpacked rows
+        share their positions; packed rows restart them, [R, T, D]) copied out to the rows'
+        count, once per forward (every layer gets the same tuple; an expanded view would differ
+        in strides). Dynamic shapes would otherwise guard on whether the two batch sizes are
+        equal, and the first capture of the other kind compiles every layer again (the H200 run
+        of 2026-12-05: "duck sizing added this equality" at the run-start packing check; both
+        compiles were in its first step's 13.7 s of target time)."""
+        pe, h = kwargs.get("position_embeddings"), args[0] if args else kwargs.get("hidden_states")
+        if not (isinstance(pe, tuple) and torch.is_tensor(h) and h.dim() >= 2):
+            return kwargs
+        rows = h.shape[0]
+        if not all(
+            torch.is_tensor(t) and t.dim() == h.dim() and t.shape[0] == 1 != rows for t in pe
+        ):
+            return kwargs
+        if self._pe is None or self._pe[0] is not pe or self._pe[1] != rows:
+            full = tuple(t.expand(rows, *t.shape[1:]).contiguous() for t in pe)
+            self._pe = (pe, rows, full)
+        return {**kwargs, "position_embeddings": self._pe[2]}
 
     @classmethod
     def of(cls, target, enabled: bool, gdn: str = "layer"):
@@ -181,7 +186,7 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if not self.failed:
                 try:
-                    return compiled(*args, **_rows_matched(args, kwargs))
+                    return compiled(*args, **self._rows_matched(args, kwargs))
                 except torch._dynamo.exc.TorchDynamoException as e:
                     self.failed = True
                     print(
@@ -206,5 +211,6 @@ class CompiledLayers:
         try:
             yield
         finally:
+            compiled._pe = None
             for layer in compiled.layers:
                 vars(layer).pop("forward", None)
