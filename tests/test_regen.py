@@ -187,6 +187,7 @@ def test_fused_decoding_gives_the_same_tokens_and_restores_the_model(tiny_llama,
     import dflash.target.fused as fused
 
     monkeypatch.setattr(fused, "FUSE_BACKEND", "eager")
+    monkeypatch.setattr(fused, "_CHECKED", {})
     model = tiny_llama.model
     norms, mlps, mod = fused.fusable_parts(model)
     n = model.config.num_hidden_layers
@@ -207,10 +208,53 @@ def test_fused_decoding_gives_the_same_tokens_and_restores_the_model(tiny_llama,
     assert calls == {"rms": 0, "silu": 0, "rope": 0}
     got = cut_at_eos(StaticGreedyDecoder(model, fuse=True).run(ids, att, 24, eos), eos)
     assert got == plain
-    steps = 24  # the prefill and 23 one-token steps; + 1: the equivalence check of each kind
-    assert calls == {"rms": steps * (2 * n + 1) + 1, "silu": steps * n + 1, "rope": steps * n + 1}
+    # the prefill and 23 one-token steps; + 1: the equivalence check of each kind; + 1: the
+    # first call's compiled result checked against the eager function's (once a process)
+    steps, once = 24, 2
+    assert calls == {
+        "rms": steps * (2 * n + 1) + once,
+        "silu": steps * n + once,
+        "rope": steps * n + once,
+    }
     assert mod.apply_rotary_pos_emb is eager_rope
     assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("fault", ["wrong", "fails"])
+def test_a_fused_chain_unlike_eager_leaves_the_decoder_eager(
+    tiny_llama, monkeypatch, capsys, fault
+):
+    """A compiled chain that computes something else than its eager function (beyond rounding)
+    or does not compile is found at its first call: a warning, that call's eager result, and
+    the eager function from then on, so the tokens are the plain decoder's."""
+    import dflash.target.fused as fused
+
+    def compiled(fn):
+        if fn is not fused._rms_norm:
+            return fn
+        if fault == "fails":
+
+            def broken(*a):
+                raise RuntimeError("no kernel")
+
+            return broken
+        return lambda *a: fn(*a) * 1.001
+
+    monkeypatch.setattr(fused, "_compiled_fn", compiled)
+    monkeypatch.setattr(fused, "_CHECKED", {})
+    model = tiny_llama.model
+    prompts, eos = _staggered(tiny_llama, 2)
+    ids, att = left_pad(prompts, 0)
+    plain = cut_at_eos(StaticGreedyDecoder(model).run(ids, att, 16, eos), eos)
+    for _ in range(2):  # the second batch: the chain stays eager, no second warning
+        got = cut_at_eos(StaticGreedyDecoder(model, fuse=True).run(ids, att, 16, eos), eos)
+        assert got == plain
+    err = capsys.readouterr().err
+    assert err.count("warning: data.regen_fuse:") == 1
+    why = "differs from eager beyond rounding" if fault == "wrong" else "no kernel"
+    assert "rms_norm: " in err and why in err
+    assert fused._checked(fused._rms_norm).state == "eager"
+    assert fused._checked(fused._silu_mul).state == "checked"
 
 
 def test_fused_decoding_leaves_other_math_alone(tiny_llama):
@@ -250,6 +294,7 @@ def test_fused_decoding_compiles_each_chain_once_for_every_batch_shape(tiny_llam
 
     torch._dynamo.reset()
     fused._COMPILED.clear()  # compiled wrappers of an earlier test would hold their own graphs
+    fused._CHECKED.clear()
     start = counters["stats"]["unique_graphs"]  # the counters outlive reset()
     graphs = lambda: counters["stats"]["unique_graphs"] - start  # noqa: E731
     prompts = _prompts(6, seed=4)
@@ -261,29 +306,44 @@ def test_fused_decoding_compiles_each_chain_once_for_every_batch_shape(tiny_llam
         assert graphs() == 6, f"{graphs()} graphs"  # 3 functions x (prefill, step)
 
 
-@pytest.mark.slow
-def test_fused_chains_are_the_eager_bits_in_bfloat16(tiny_llama):
-    """The regen_fuse chains compiled by inductor round where eager rounds: bf16 outputs equal
-    to the bit (without emulate_precision_casts ~26-34 % of them differed in the last bit), so a
-    fused regeneration decodes the plain decoder's tokens in bf16 too."""
+def check_fused_chains_round_as_eager(device: str) -> None:
+    """The regen_fuse chains as inductor compiles them, in bf16 on `device`: RoPE and the SiLU
+    gate give eager's bits (emulate_precision_casts: bf16 rounding after each op, as eager);
+    RMSNorm sums its float32 mean in another order, so a few outputs in 10^5 are one bf16 step
+    off. Without emulate_precision_casts ~26-34 % of each chain's outputs differed."""
     import dflash.target.fused as fused
 
     torch._dynamo.reset()
     fused._COMPILED.clear()
+    fused._CHECKED.clear()
     g = torch.Generator().manual_seed(0)
-    bf = lambda *shape: torch.randn(*shape, generator=g).bfloat16()  # noqa: E731
-    cos, sin = bf(8, 1, 64), bf(8, 1, 64)
+    bf = lambda *shape: torch.randn(*shape, generator=g).bfloat16().to(device)  # noqa: E731
+    cos, sin = bf(64, 1, 64), bf(64, 1, 64)
     cases = [
-        (fused._rms_norm, (bf(8, 1, 96), bf(96), 1e-6)),
-        (fused._silu_mul, (bf(8, 1, 160), bf(8, 1, 160))),
-        (fused._rope, (bf(8, 4, 1, 64), bf(8, 2, 1, 64), cos, sin)),
+        (fused._rms_norm, (bf(64, 1, 896), bf(896), 1e-6)),
+        (fused._silu_mul, (bf(64, 1, 1024), bf(64, 1, 1024))),
+        (fused._rope, (bf(64, 14, 1, 64), bf(64, 2, 1, 64), cos, sin)),
     ]
     for fn, args in cases:
         want, got = fn(*args), fused._compiled_fn(fn)(*args)
         for w, o in zip(*(((t,) if torch.is_tensor(t) else t) for t in (want, got)), strict=True):
-            assert w.dtype == o.dtype == torch.bfloat16 and torch.equal(w, o), fn.__name__
+            assert w.dtype == o.dtype == torch.bfloat16, fn.__name__
+            if fn is fused._rms_norm:
+                step = w.float().abs().clamp_min(2**-126) * 2**-7  # one bf16 step, about
+                assert ((w.float() - o.float()).abs() <= step).all(), fn.__name__
+                assert (w != o).float().mean() < 1e-3, fn.__name__
+            else:
+                assert torch.equal(w, o), fn.__name__
+
+
+@pytest.mark.slow
+def test_fused_chains_round_as_eager_in_bfloat16(tiny_llama):
+    """With inductor on CPU; a bf16 tiny model's fused regeneration then decodes the plain
+    decoder's tokens (on this model and these prompts: a rare RMSNorm step can still flip a
+    near-tie elsewhere)."""
     import copy
 
+    check_fused_chains_round_as_eager("cpu")
     model = copy.deepcopy(tiny_llama.model).bfloat16()  # random weights: flat logits, many ties
     ids, att = left_pad(_prompts(6, seed=5), 0)
     plain = StaticGreedyDecoder(model).run(ids, att, 16, None)

@@ -63,7 +63,8 @@ class DataConfig:
     regen_compile: bool = False  # CUDA static regen: torch.compile the one-token step, then graph
     # CUDA static regen: the target's RMSNorm / RoPE / SiLU-gate chains one compiled kernel each
     # (a small model's decode step is mostly such short kernels; H200 bench, Qwen2.5-0.5B:
-    # 1.32x at batch 512, 1.26x at 1024; the eager bf16 bits since; not in a real run yet)
+    # 1.32x at batch 512, 1.26x at 1024; eager's bf16 rounding since, and each chain's first
+    # call checked against eager; not in a real run yet)
     regen_fuse: bool = False
     # Minutes, then train on the samples done (batches in a seeded random order: a random subset)
     regen_time_limit_min: float | None = None

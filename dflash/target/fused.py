@@ -33,12 +33,74 @@ def _compiled_fn(fn):
     length and layer reuse the one graph). Inductor rounds to bf16 where eager does
     (`emulate_precision_casts`): left to itself it keeps a chain's intermediates in float32 and
     rounds once, which changed ~26-34 % of the bf16 outputs of each chain (CPU, 2026-12-05) and
-    75 of 512 regenerated rows on the H200 bench; with it the outputs are the eager bits."""
+    75 of 512 regenerated rows on the H200 bench. With it RoPE and the SiLU gate give the eager
+    bits; RMSNorm sums its float32 mean in another order, so ~4 in 10^6 bf16 outputs are one
+    step off (CPU, 3.7M outputs)."""
     key = (fn, FUSE_BACKEND)
     if key not in _COMPILED:
         opts = {"emulate_precision_casts": True} if FUSE_BACKEND == "inductor" else None
         _COMPILED[key] = torch.compile(fn, dynamic=True, backend=FUSE_BACKEND, options=opts)
     return _COMPILED[key]
+
+
+def _close(a, b) -> bool:
+    """Equal up to the rounding of their dtype (torch.testing's default tolerances)."""
+    a, b = (a,) if torch.is_tensor(a) else a, (b,) if torch.is_tensor(b) else b
+    try:
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(y, x)
+    except (AssertionError, ValueError):
+        return False
+    return True
+
+
+class _Checked:
+    """A chain's compiled function that checks its first call outside a CUDA graph capture
+    against the eager function (equal up to rounding: `_close`), on the decoder's own inputs. A
+    compile error or another result puts the chain back on the eager function for good, said
+    once: a fused regeneration never computes something else than the plain one."""
+
+    def __init__(self, eager):
+        self.eager, self.state = eager, "unchecked"
+
+    def __call__(self, *args):
+        if self.state == "eager":
+            return self.eager(*args)
+        try:
+            out = _compiled_fn(self.eager)(*args)
+        except Exception as e:  # a compile error: the eager chain instead
+            return self._fail(f"compiling failed ({type(e).__name__}: {str(e)[:200]})", args)
+        if self.state == "unchecked" and not _capturing(out):
+            if not _close(self.eager(*args), out):
+                return self._fail("its compiled result differs from eager beyond rounding", args)
+            self.state = "checked"
+        return out
+
+    def _fail(self, why: str, args):
+        self.state = "eager"
+        print(
+            f"warning: data.regen_fuse: {self.eager.__name__}: {why}; regeneration runs the "
+            "eager chain",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self.eager(*args)
+
+
+_CHECKED: dict = {}
+
+
+def _checked(fn) -> _Checked:
+    """One checked chain per function and backend, like the compiled ones."""
+    key = (fn, FUSE_BACKEND)
+    if key not in _CHECKED:
+        _CHECKED[key] = _Checked(fn)
+    return _CHECKED[key]
+
+
+def _capturing(out) -> bool:
+    t = out if torch.is_tensor(out) else out[0]
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _same(a, b) -> bool:
@@ -93,7 +155,7 @@ def fused_decoding(model, enabled: bool = True):
         yield
         return
     norms, mlps, mod = fusable_parts(model)
-    rms, silu_mul, rope = (_compiled_fn(f) for f in (_rms_norm, _silu_mul, _rope))
+    rms, silu_mul, rope = (_checked(f) for f in (_rms_norm, _silu_mul, _rope))
     for m in norms:
         m.forward = lambda x, m=m: rms(x, m.weight, m.variance_epsilon)
     for m in mlps:
