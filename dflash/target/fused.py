@@ -57,8 +57,9 @@ def _close(a, b) -> bool:
 class _Checked:
     """A chain's compiled function that checks its first call outside a CUDA graph capture
     against the eager function (equal up to rounding: `_close`), on the decoder's own inputs. A
-    compile error or another result puts the chain back on the eager function for good, said
-    once: a fused regeneration never computes something else than the plain one."""
+    compile error (at any call) or another result puts the chain back on the eager function for
+    good, said once. Only that first result is compared: a later graph (the one-token step's)
+    is trusted once it compiles."""
 
     def __init__(self, eager):
         self.eager, self.state = eager, "unchecked"
