@@ -43,11 +43,15 @@ def _compiled_fn(fn):
     return _COMPILED[key]
 
 
+def _tensors(out) -> tuple:
+    """A chain's output as a tuple of tensors (RoPE returns two)."""
+    return (out,) if torch.is_tensor(out) else tuple(out)
+
+
 def _close(a, b) -> bool:
     """Equal up to the rounding of their dtype (torch.testing's default tolerances)."""
-    a, b = (a,) if torch.is_tensor(a) else a, (b,) if torch.is_tensor(b) else b
     try:
-        for x, y in zip(a, b, strict=True):
+        for x, y in zip(_tensors(a), _tensors(b), strict=True):
             torch.testing.assert_close(y, x)
     except (AssertionError, ValueError):
         return False
@@ -62,13 +66,13 @@ class _Checked:
     is trusted once it compiles."""
 
     def __init__(self, eager):
-        self.eager, self.state = eager, "unchecked"
+        self.eager, self.compiled, self.state = eager, _compiled_fn(eager), "unchecked"
 
     def __call__(self, *args):
         if self.state == "eager":
             return self.eager(*args)
         try:
-            out = _compiled_fn(self.eager)(*args)
+            out = self.compiled(*args)
         except Exception as e:  # a compile error: the eager chain instead
             return self._fail(f"compiling failed ({type(e).__name__}: {str(e)[:200]})", args)
         if self.state == "unchecked" and not _capturing(out):
@@ -100,13 +104,12 @@ def _checked(fn) -> _Checked:
 
 
 def _capturing(out) -> bool:
-    t = out if torch.is_tensor(out) else out[0]
+    t = _tensors(out)[0]
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _same(a, b) -> bool:
-    a, b = (a,) if torch.is_tensor(a) else a, (b,) if torch.is_tensor(b) else b
-    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    return all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b), strict=True))
 
 
 def fusable_parts(model):
