@@ -212,6 +212,37 @@ def test_attention_kernels_that_mix_packed_rows_never_pack(capsys):
     )
 
 
+def test_compiled_layers_compile_once_behind_the_capture_graphs_path(monkeypatch):
+    """The CUDA-graph capture (`CaptureGraphs`, here its eager path on the CPU) passes packed rows
+    a mask that is a view of [R, L, L]; the packing check's unpacked capture then passes
+    transformers' mask, a view of another base. The layers compiled once for both, and for
+    other rows after: not on the bases' shapes and strides (the H100 run of 2026-12-05
+    recompiled every layer at the check), nor on sizes that happened to be equal at the first
+    trace (the tiny target's 128 rows length and hidden size: the length was specialized)."""
+    from conftest import target_cfg
+    from torch._dynamo.utils import counters
+
+    from dflash.target.graphs import CaptureGraphs, packed_mask
+
+    target = load_target(target_cfg("tiny_llama"), num_aux=3)  # see the test above
+    assert packed_mask(torch.zeros(2, 5, dtype=torch.long))._base is not None  # what is guarded
+    samples = _samples(target.vocab_size)
+    target.compiled_layers = compiled = _compiled(target, monkeypatch)
+    target.capture_graphs = CaptureGraphs(target)
+    counters.clear()
+    try:
+        target.pack_check_pending = False
+        target_forward(target, collate(samples, pad_id=0, pack_to=64))  # padded to 128 long
+        compiles = counters["frames"]["total"]
+        _both(target, collate(samples[2:], pad_id=0, pack_to=48))  # the check: both kinds
+        target.packs_capture = False
+        target_forward(target, collate(samples[:5], pad_id=0))  # other rows, unpacked
+    finally:
+        target.compiled_layers = target.capture_graphs = None
+    assert not compiled.failed and compiled._mask is None  # the copy dropped after the capture
+    assert compiles >= 1 and counters["frames"]["total"] == compiles
+
+
 def _compiled(target, monkeypatch, backend="eager"):
     """target.compile_layers on the CPU: CompiledLayers.of only enables it on CUDA, so build it
     directly, with a dynamo backend that needs no C++/Triton build (same swap and hooks)."""

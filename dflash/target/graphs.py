@@ -108,6 +108,15 @@ class CaptureGraphs:
         return graph, static, out
 
 
+# Sizes that happen to be equal at the first trace are not assumed equal for good ("duck
+# sizing"): otherwise each coincidence becomes a guard, and the first capture without it compiles
+# every layer again. Seen: the length of packed rows equal to the hidden size (tiny targets: the
+# length was specialized to it), and the CUDA-graph capture's mask, a view of [R, L, L], whose
+# base's L equal to the rows' length (the H100 run of 2026-12-05, at the packing check's
+# unpacked capture). Read when a frame is traced, so set around each compiled call.
+NO_DUCK_SHAPES = torch.fx.experimental._config.patch(use_duck_shape=False)
+
+
 class CompiledLayers:
     """`target.compile_layers`: each decoder layer's forward `torch.compile`d (dynamic shapes; of
     a Gated-DeltaNet layer, its MLP or the whole layer: `units`),
@@ -123,27 +132,40 @@ class CompiledLayers:
         self.layers, self.failed = list(layers), False
         self.fns = [self._guarded(layer.forward) for layer in self.layers]
         self._pe = None  # (the shared position embeddings, rows, their copy): one per forward
+        self._mask = None  # (the shared attention mask view, its copy): one per forward
 
     def _rows_matched(self, args, kwargs) -> dict:
-        """kwargs with `position_embeddings` broadcast over the rows ([1, T, D]: unpacked rows
-        share their positions; packed rows restart them, [R, T, D]) copied out to the rows'
-        count, once per forward (every layer gets the same tuple; an expanded view would differ
-        in strides). Dynamic shapes would otherwise guard on whether the two batch sizes are
-        equal, and the first capture of the other kind compiles every layer again (the H200 run
-        of 2026-12-05: "duck sizing added this equality" at the run-start packing check; both
-        compiles were in its first step's 13.7 s of target time)."""
+        """kwargs with the inputs every layer shares made alike for packed and unpacked rows,
+        once per forward (every layer gets the same copies), so that one graph serves both:
+        - `position_embeddings` broadcast over the rows ([1, T, D]: unpacked rows share their
+          positions; packed rows restart them, [R, T, D]) copied out to the rows' count (an
+          expanded view would differ in strides). Dynamic shapes would otherwise guard on
+          whether the two batch sizes are equal, and the first capture of the other kind
+          compiles every layer again (the H200 run of 2026-12-05: "duck sizing added this
+          equality" at the run-start packing check; both compiles were in its first step's
+          13.7 s of target time).
+        - an `attention_mask` that is a view (the CUDA-graph capture's [R, 1, L, L] of an
+          [R, L, L] mask, transformers' of its own base) copied to a tensor of its own: the
+          graph otherwise guards on the base's shape and strides, which differ between the two
+          kinds (the H100 run of 2026-12-05)."""
         pe, h = kwargs.get("position_embeddings"), args[0] if args else kwargs.get("hidden_states")
-        if not (isinstance(pe, tuple) and torch.is_tensor(h) and h.dim() >= 2):
+        if not (torch.is_tensor(h) and h.dim() >= 2):
             return kwargs
+        out = dict(kwargs)
+        mask = kwargs.get("attention_mask")
+        if torch.is_tensor(mask) and mask._base is not None:
+            if self._mask is None or self._mask[0] is not mask:
+                self._mask = (mask, mask.clone())
+            out["attention_mask"] = self._mask[1]
         rows = h.shape[0]
-        if not all(
+        if isinstance(pe, tuple) and all(
             torch.is_tensor(t) and t.dim() == h.dim() and t.shape[0] == 1 != rows for t in pe
         ):
-            return kwargs
-        if self._pe is None or self._pe[0] is not pe or self._pe[1] != rows:
-            full = tuple(t.expand(rows, *t.shape[1:]).contiguous() for t in pe)
-            self._pe = (pe, rows, full)
-        return {**kwargs, "position_embeddings": self._pe[2]}
+            if self._pe is None or self._pe[0] is not pe or self._pe[1] != rows:
+                full = tuple(t.expand(rows, *t.shape[1:]).contiguous() for t in pe)
+                self._pe = (pe, rows, full)
+            out["position_embeddings"] = self._pe[2]
+        return out
 
     @classmethod
     def of(cls, target, enabled: bool, gdn: str = "layer"):
@@ -186,7 +208,8 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if not self.failed:
                 try:
-                    return compiled(*args, **self._rows_matched(args, kwargs))
+                    with NO_DUCK_SHAPES:
+                        return compiled(*args, **self._rows_matched(args, kwargs))
                 except torch._dynamo.exc.TorchDynamoException as e:
                     self.failed = True
                     print(
@@ -211,6 +234,6 @@ class CompiledLayers:
         try:
             yield
         finally:
-            compiled._pe = None
+            compiled._pe = compiled._mask = None
             for layer in compiled.layers:
                 vars(layer).pop("forward", None)
