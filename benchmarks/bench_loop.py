@@ -88,7 +88,7 @@ def build_target(name: str, backend: str):
     return load_target(tcfg, num_aux=3 if TARGETS[name][1] != "qwen3_6_27b" else 5), weights
 
 
-def build_drafter(name: str, target, layers: int | None = None):
+def build_drafter(name: str, target, layers: int | None = None, variant: str = "dflash"):
     from dflash.config import DrafterConfig
     from dflash.drafter.model import DFlashDrafter
     from dflash.target.load import load_conf
@@ -98,6 +98,8 @@ def build_drafter(name: str, target, layers: int | None = None):
     raw["target_layer_ids"] = list(target.layer_ids)
     if layers:
         raw["num_layers"], raw["layer_types"] = layers, None
+    if variant != "dflash":  # DFlash2's selector codebooks of 64, as the recipe runs it
+        raw["variant"], raw["selector_rank"] = variant, 64
     fields = {f.name for f in dataclasses.fields(DrafterConfig)}
     dcfg = DrafterConfig(**{k: v for k, v in raw.items() if k in fields})
     try:  # current layout
@@ -118,7 +120,12 @@ def build_drafter(name: str, target, layers: int | None = None):
             int(getattr(mc, "num_key_value_heads", 0) or 0),
             target.mask_token_id,
         )
-    d = DFlashDrafter(spec)
+    if variant != "dflash":
+        from dflash.drafter.variants import build_model
+
+        d = build_model(spec)
+    else:
+        d = DFlashDrafter(spec)
     d.init_weights(0.02, torch.Generator().manual_seed(0))
     return d
 
@@ -237,6 +244,15 @@ def main() -> None:
     )
     ap.add_argument("--layers", type=int, default=None, help="drafter layers (default: 3)")
     ap.add_argument(
+        "--variant", default="dflash", help="drafter.variant (dflash2: selector rank 64)"
+    )
+    ap.add_argument(
+        "--head-ab",
+        action="store_true",
+        help="the step with the fused lm_head + CE (CUDA's default; DFlash2's selection "
+        "included) vs the checkpointed plain head, same process",
+    )
+    ap.add_argument(
         "--label-sampling",
         default="all",
         choices=["all", "by_weight"],
@@ -283,7 +299,7 @@ def main() -> None:
         from dflash.target.graphs import CompiledLayers
 
         target.compiled_layers = CompiledLayers.of(target, True)
-    drafter = build_drafter(args.target, target, args.layers)
+    drafter = build_drafter(args.target, target, args.layers, args.variant)
     tc = dict(
         max_anchors=args.anchors,
         steps=10_000,
@@ -419,6 +435,25 @@ def main() -> None:
             fused(on, keep(w / w.max(), one)),
         )
         tr.keep_p_k = mode_p
+    # the fused head (dflash.train.fused_ce) vs the checkpointed plain one, the default restored
+    s_head_f = s_head_p = None
+    obj = getattr(tr, "objective", None)
+    if args.head_ab and hasattr(obj, "fused"):
+        head_default = obj.fused
+
+        def head(on, fn):
+            def run(i):
+                obj.fused = on
+                return fn(i)
+
+            return run
+
+        s_head_f, s_head_p = ab(
+            ("step_fused_head", "step_plain_head"),
+            fused(on, head(True, one)),
+            fused(on, head(False, one)),
+        )
+        obj.fused = head_default
     tps_step, tf_step = mean(tokens) / s_step, mean(step_flops) / s_step / 1e12
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
     loop = fused(on, lambda i: step_fn([capture(i)]))
@@ -489,6 +524,7 @@ def main() -> None:
         "samples": args.samples or "synthetic",
         "tokens_per_step": mean(tokens),
         "anchors_per_row": args.anchors,
+        "drafter_variant": args.variant,
         "drafter_params_M": num_params(drafter) / 1e6,
         "matmul_peak_tflops": peak,
         **{f"capture_{m}_ms": v[0] * 1e3 for m, v in per_mode.items()},
@@ -503,6 +539,9 @@ def main() -> None:
         "step_frac_peak": tf_step / peak,
         **({"fuse_default": on} if s_fz else {}),
         **pair("step_eager_ms", s_eager, "step_fused_ms", s_fz, "step_fused_speedup"),
+        **pair(
+            "step_plain_head_ms", s_head_p, "step_fused_head_ms", s_head_f, "fused_head_speedup"
+        ),
         **({"label_sampling": args.label_sampling} if s_all else {}),
         **pair("step_all_labels_ms", s_all, "step_by_weight_ms", s_lw, "by_weight_speedup"),
         "loop_ms": s_loop * 1e3,

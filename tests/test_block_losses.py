@@ -153,7 +153,9 @@ def test_variable_prefix_is_brute_force_through_the_trainer(tiny_qwen, variant):
 
 
 # ----------------------------------------------------------------------------- DFlash2 selection
-def test_selection_loss_is_brute_force(tiny_qwen):
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_selection_loss_is_brute_force(tiny_qwen, fused):
+    """Both heads: the checkpointed plain path (CPU's) and the fused one (CUDA's)."""
     d = make_drafter(tiny_qwen, variant="dflash2", selector_rank=8, selector_top_k=4)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a selector that scores pairs (it starts as a no-op)
@@ -162,6 +164,7 @@ def test_selection_loss_is_brute_force(tiny_qwen):
         d.candidate_selector.hidden_projection.weight.normal_(0, 0.5, generator=g)
     lam = 0.7
     tr = _trainer(tiny_qwen, d, selector_loss_weight=lam)
+    tr.objective.fused = fused
     tb = target_forward(tiny_qwen, collate(_samples(tiny_qwen)))
     p = tr.prepare(tb, 0)
     h = _hidden(tr, tb, p)
@@ -201,12 +204,16 @@ def _selection_brute(tr, p, h, lam):
 
 
 # ----------------------------------------------------------------------------- normalization
-CASES = [
-    ("dflash", "variable_prefix"),
-    ("dflash", "dpace"),
-    ("dflash2", "hard_ce"),
-    ("dflash2", "variable_prefix"),
-    ("dflash2", "dpace"),
+CASES = [  # (variant, loss, fused head)
+    ("dflash", "variable_prefix", False),
+    ("dflash", "variable_prefix", True),
+    ("dflash", "dpace", False),
+    ("dflash2", "hard_ce", False),
+    ("dflash2", "hard_ce", True),
+    ("dflash2", "variable_prefix", False),
+    ("dflash2", "variable_prefix", True),
+    ("dflash2", "dpace", False),
+    ("dflash2", "dpace", True),
 ]
 
 
@@ -219,8 +226,8 @@ def _grads(trainer, micro):
     return {k: v.grad.clone() for k, v in trainer.drafter.named_parameters() if v.grad is not None}
 
 
-@pytest.mark.parametrize("variant,loss", CASES)
-def test_grad_accumulation_equals_one_big_batch(tiny_qwen, variant, loss):
+@pytest.mark.parametrize("variant,loss,fused", CASES)
+def test_grad_accumulation_equals_one_big_batch(tiny_qwen, variant, loss, fused):
     s = _samples(tiny_qwen)
     d = make_drafter(tiny_qwen, variant=variant, selector_rank=8, selector_top_k=4)
     with torch.no_grad():  # every selector weight gets a gradient
@@ -228,6 +235,7 @@ def test_grad_accumulation_equals_one_big_batch(tiny_qwen, variant, loss):
             if n.startswith("candidate_selector."):
                 p.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
     tr = _trainer(tiny_qwen, d, loss=loss)
+    tr.objective.fused = fused
     big = [target_forward(tiny_qwen, collate(s))]
     small = [target_forward(tiny_qwen, collate(s[:1])), target_forward(tiny_qwen, collate(s[1:]))]
     g_big, g_small = _grads(tr, big), _grads(tr, small)
@@ -259,10 +267,10 @@ def _dp_rank(rank, world, port, out_dir):
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {}
-    for variant, loss in CASES:
+    for variant, loss, fused in DP_CASES:
         for mode, stage in _modes():
-            out[(variant, loss, f"{mode}{stage}")] = _train_dp(
-                rank, world, dist.group.WORLD, variant, loss, mode, stage
+            out[(variant, loss, fused, f"{mode}{stage}")] = _train_dp(
+                rank, world, dist.group.WORLD, variant, loss, mode, stage, fused
             )
     if rank == 0:
         torch.save(out, os.path.join(out_dir, "w.pt"))
@@ -270,7 +278,11 @@ def _dp_rank(rank, world, port, out_dir):
     dist.destroy_process_group()
 
 
-def _train_dp(rank, world, group, variant, loss, mode, stage=1):
+# every plain case, and DFlash2's fused head once (the selector is a module call on both paths)
+DP_CASES = [c for c in CASES if not c[2]] + [("dflash2", "hard_ce", True)]
+
+
+def _train_dp(rank, world, group, variant, loss, mode, stage=1, fused=False):
     from conftest import get_target
     from test_parallelize import _micro
 
@@ -288,6 +300,7 @@ def _train_dp(rank, world, group, variant, loss, mode, stage=1):
     )
     heads = Heads(target.embed_tokens, target.lm_head)
     tr = DrafterTrainer(d, heads, cfg, torch.device("cpu"), dp_group=group)
+    tr.objective.fused = fused
     for micro in _micro(target, rank, world):
         tr.train_step(micro)
     return {k: v.detach().clone() for k, v in tr.drafter_for_io().state_dict().items()}
@@ -303,9 +316,9 @@ def test_data_parallel_equals_one_process(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_dp_rank, args=(2, port, str(tmp_path)), nprocs=2, join=True)
     got = torch.load(tmp_path / "w.pt")
-    assert len(got) == len(_modes()) * len(CASES)
-    for (variant, loss, mode), weights in got.items():
-        ref = _train_dp(0, 1, None, variant, loss, "ddp")
+    assert len(got) == len(_modes()) * len(DP_CASES)
+    for (variant, loss, fused, mode), weights in got.items():
+        ref = _train_dp(0, 1, None, variant, loss, "ddp", fused=fused)
         # Adam steps ~lr * sign(g): summation order can flip entries whose gradient is ~0, so
         # count the entries off by more than rounding (as test_training does for accumulation)
         for k, v in ref.items():

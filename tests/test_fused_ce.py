@@ -1,5 +1,6 @@
 """The fused lm_head + CE (gradient formed in the forward) equals the checkpointed plain path."""
 
+import pytest
 import torch
 
 from dflash.train.fused_ce import fused_weighted_ce_sum
@@ -108,3 +109,108 @@ def test_fused_ce_adds_the_heads_bias_like_the_plain_path():
     l2.backward()
     assert torch.allclose(l1, ref.detach()) and torch.allclose(l2.double(), ref.detach())
     assert torch.allclose(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- DFlash2's selection
+def _selector(V, H, rank=5, k=4, seed=3):
+    from dflash.drafter.dflash2 import CandidateSelector
+
+    sel = CandidateSelector(V, H, rank, k).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # off the zero start, so the pair term and its gradients matter
+        for p in sel.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    return sel
+
+
+@pytest.mark.parametrize(
+    "M,chunk,transform,bias",
+    [(37, 8, False, False), (17, 8, True, True), (1, 8, False, True), (0, 8, False, False)],
+)
+def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias):
+    """fused_ce_selection_sum = ce_selection_sum: the loss, the correct count (with separate
+    correct weights, as D-PACE passes them) and the gradients of h and of every selector weight,
+    with the logit transform, a head bias, a one-row tail, a single row and no row at all."""
+    from dflash.train.fused_ce import fused_ce_selection_sum
+    from dflash.train.losses import ce_selection_sum
+
+    g = torch.Generator().manual_seed(M)
+    H, V = 6, 13
+    h = torch.randn(M, H, generator=g, dtype=torch.float64) * 2
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
+    labels = torch.randint(0, V, (M,), generator=g)
+    prev = torch.randint(0, V, (M,), generator=g)
+    weights = torch.rand(M, generator=g, dtype=torch.float64)
+    cw = torch.rand(M, generator=g, dtype=torch.float64)
+    m, c = (0.7, 5.0) if transform else (1.0, None)
+
+    def tf(x):
+        x = x * m
+        return torch.tanh(x / c) * c if c else x
+
+    out = []
+    for fused in (False, True):
+        sel, hh = _selector(V, H), h.clone().requires_grad_()
+        kw = dict(selection_weight=0.6, chunk=chunk, lm_head_b_V=b, correct_weights_M=cw)
+        if fused:
+            kw.update(dtype=torch.float64, output_multiplier=m, softcap=c)
+            loss, corr = fused_ce_selection_sum(hh, w, labels, weights, prev, sel, **kw)
+        else:
+            loss, corr = ce_selection_sum(
+                hh, w, labels, weights, prev, sel, logit_transform=tf, **kw
+            )
+        (2.0 * loss).backward()
+        grads = {n: p.grad.clone() for n, p in sel.named_parameters()}
+        out.append((loss.detach().double(), corr.double(), hh.grad, grads))
+    (l1, c1, g1, s1), (l2, c2, g2, s2) = out
+    assert torch.allclose(l1, l2, rtol=1e-6)  # the fused stats sum in float32
+    assert torch.allclose(c1, c2)
+    assert g2.shape == (M, H) and torch.allclose(g1, g2, rtol=1e-5, atol=1e-6)
+    for n in s1:
+        assert torch.allclose(s1[n], s2[n], rtol=1e-5, atol=1e-6), n
+    if M > 1:  # the selection term is there and sends gradient to the selector
+        assert all(s1[n].abs().sum() > 0 for n in s1)
+
+
+def test_fused_selection_term_reaches_h_through_the_candidates_rows():
+    """Without the block CE's weight the gradient of h that does not come from the selector's
+    hidden projection comes from the K candidates' head rows: zeroing the projection leaves
+    exactly sum_k d loss / d unary_k * W[cand_k]."""
+    from dflash.train.fused_ce import fused_ce_selection_sum
+
+    g = torch.Generator().manual_seed(0)
+    M, H, V = 9, 5, 11
+    h = torch.randn(M, H, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (M,), generator=g)
+    sel = _selector(V, H, k=3)
+    with torch.no_grad():
+        sel.hidden_projection.weight.zero_()
+    loss, _ = fused_ce_selection_sum(
+        h,
+        w,
+        labels,
+        torch.zeros(M, dtype=torch.float64).index_fill_(0, torch.tensor([2]), 1.0),
+        torch.randint(0, V, (M,), generator=g),
+        sel,
+        selection_weight=1.0,
+        dtype=torch.float64,
+    )
+    loss.backward()
+    # only row 2 has weight; the block CE's gradient of row 2 plus the selection's
+    unary, cand = (h.detach() @ w.t()).topk(3, -1)
+    u = unary[2].clone().requires_grad_()
+    hit = cand[2] == labels[2]
+    logits = (h.detach()[2] @ w.t()).requires_grad_()
+    ce = torch.nn.functional.cross_entropy(logits[None], labels[2:3])
+    term = -torch.log_softmax(u, 0)[hit.float().argmax()] * hit.any()
+    (gu,) = (
+        torch.autograd.grad(term, u)
+        if term.requires_grad
+        else (torch.zeros(3, dtype=torch.float64),)
+    )
+    (gl,) = torch.autograd.grad(ce, logits)
+    want = gl @ w + gu @ w[cand[2]]
+    assert torch.allclose(h.grad[2], want, rtol=1e-5, atol=1e-6)
+    assert h.grad[[0, 1, 3]].abs().max() == 0

@@ -487,3 +487,39 @@ def test_static_compiled_step_matches_eager_on_cuda(variant):
     assert graphs[-1] == graphs[0]  # compiled at the first step only
     for (k, x), y in zip(eager.drafter.named_parameters(), comp.drafter.parameters()):
         assert torch.allclose(x, y, atol=5e-3), k  # bf16 rounding through three Adam steps
+
+
+def test_fused_selection_matches_the_plain_path_on_cuda():
+    """DFlash2's selection through the fused head on the device (the compiled CE stats, topk on
+    the bf16 logits) against the checkpointed plain path: the same loss and gradients, up to
+    bf16 rounding."""
+    from dflash.drafter.dflash2 import CandidateSelector
+    from dflash.train.fused_ce import fused_ce_selection_sum
+    from dflash.train.losses import ce_selection_sum
+
+    g = torch.Generator().manual_seed(0)
+    M, H, V = 300, 64, 512
+    h = (torch.randn(M, H, generator=g) * 2).cuda().bfloat16()
+    w = torch.randn(V, H, generator=g).cuda().bfloat16()
+    labels, prev = (torch.randint(0, V, (M,), generator=g).cuda() for _ in range(2))
+    weights = torch.rand(M, generator=g).cuda()
+    out = []
+    for fused in (False, True):
+        torch.manual_seed(1)
+        sel = CandidateSelector(V, H, 16, 8).cuda()
+        with torch.no_grad():
+            for p in sel.parameters():
+                p.normal_(0, 0.3)
+        hh = h.clone().requires_grad_()
+        kw = dict(selection_weight=1.0, chunk=128)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if fused:
+                loss, _ = fused_ce_selection_sum(hh, w, labels, weights, prev, sel, **kw)
+            else:
+                loss, _ = ce_selection_sum(hh, w, labels, weights, prev, sel, **kw)
+        loss.backward()
+        out.append((loss.item(), hh.grad.float(), sel.successor_codebook.grad))
+    (l1, g1, s1), (l2, g2, s2) = out
+    assert l2 == pytest.approx(l1, rel=1e-2)
+    assert torch.nn.functional.cosine_similarity(g1.flatten(), g2.flatten(), 0) > 0.999
+    assert torch.nn.functional.cosine_similarity(s1.flatten(), s2.flatten(), 0) > 0.999

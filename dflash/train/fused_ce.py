@@ -8,6 +8,12 @@ are never stored, never recomputed (no activation checkpoint) and never copied t
 lm_head matmul forward, one for the gradient, and one fused pass over the bf16 logits (log-sum-
 exp, target logit, argmax, softmax gradient) instead of the cast / log_softmax / NLL / argmax /
 backward passes of the plain path. Same value as loss.weighted_ce_sum (tested on CPU).
+
+DFlash2 (`fused_ce_selection_sum`): the same pass also takes each row's top-K logits for the
+selector (topk over the bf16 logits, the transform applied to the K values only). The selector's
+term sends back K values per row, whose gradient w.r.t. h is K gathered rows of the head; the
+plain path (`losses.ce_selection_sum`) keeps [c, V] float32 logits, recomputes them in backward
+and scatters the K values' gradient into a dense [c, V] one.
 """
 
 from __future__ import annotations
@@ -16,11 +22,14 @@ import functools
 
 import torch
 
+from .losses import selection_sum
+
 
 def _ce_stats(
     logits_cV: torch.Tensor,
     labels_c: torch.Tensor,
     weights_c: torch.Tensor,
+    correct_weights_c: torch.Tensor,
     mult: float = 1.0,
     cap: float | None = None,
 ):
@@ -34,11 +43,22 @@ def _ce_stats(
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, labels_c[:, None])[:, 0]
     loss = ((lse - tgt) * weights_c).sum()
-    correct = ((x.argmax(-1) == labels_c).float() * weights_c).sum()
+    correct = ((x.argmax(-1) == labels_c).float() * correct_weights_c).sum()
     p = torch.exp(x - lse[:, None])
     onehot = torch.zeros_like(p).scatter_(1, labels_c[:, None], 1.0)
     grad = ((p - onehot) * weights_c[:, None] * dxdl).to(logits_cV.dtype)
     return loss, correct, grad
+
+
+def _top_k(logits_cV: torch.Tensor, k: int, mult: float, cap: float | None):
+    """The top-k of the transformed logits: (values [c, k] fp32, token ids [c, k], d value /
+    d logit [c, k]). The transform is increasing, so the raw logits' top-k are its top-k."""
+    v, idx = logits_cV.topk(k, dim=-1)
+    x = v.float() * mult
+    if cap is None:
+        return x, idx, torch.full_like(x, mult)
+    t = torch.tanh(x / cap)
+    return t * cap, idx, mult * (1 - t * t)
 
 
 def chunk_bounds(M: int, chunk: int) -> list[tuple[int, int]]:
@@ -58,39 +78,66 @@ def _compiled_stats():
 
 
 class _FusedLinearCE(torch.autograd.Function):
+    """(loss, correct) and, with top_k > 0, each row's top-k transformed logits (differentiable)
+    and their token ids: DFlash2's selector reads them from the same [c, V] logits."""
+
     @staticmethod
-    def forward(ctx, h_MH, w_VH, b_V, labels_M, weights_M, chunk: int, dtype, mult, cap):
+    def forward(ctx, h_MH, w_VH, b_V, labels_M, weights_M, correct_w_M, chunk, dtype, mult, cap, k):
         stats = _compiled_stats() if h_MH.is_cuda else _ce_stats
         need_grad = ctx.needs_input_grad[0]
-        single = h_MH.shape[0] == 1
+        M = h_MH.shape[0]
+        single = M == 1
         if single:  # one row: a zero-weight copy as a second keeps the compiled shape general
             h_MH, labels_M = torch.cat([h_MH, h_MH]), torch.cat([labels_M, labels_M])
             weights_M = torch.cat([weights_M, torch.zeros_like(weights_M)])
+            correct_w_M = torch.cat([correct_w_M, torch.zeros_like(correct_w_M)])
         grad_h = torch.empty_like(h_MH) if need_grad else None
         loss = torch.zeros((), dtype=torch.float32, device=h_MH.device)
         correct = torch.zeros((), dtype=torch.float32, device=h_MH.device)
         w = w_VH.to(dtype)  # a no-op for a bf16 lm_head under bf16 compute
         b = b_V.to(dtype) if b_V is not None else None
+        n = h_MH.shape[0]
+        top = torch.empty(n, k, device=h_MH.device)
+        slope = torch.empty(n, k, device=h_MH.device)
+        cand = torch.empty(n, k, dtype=torch.long, device=h_MH.device)
         with torch.autocast(h_MH.device.type, enabled=False):
-            for i, j in chunk_bounds(h_MH.shape[0], chunk):
+            for i, j in chunk_bounds(n, chunk):
                 logits = h_MH[i:j].to(dtype) @ w.t()
                 if b is not None:
                     logits = logits + b
-                l, c, g = stats(logits, labels_M[i:j], weights_M[i:j].float(), mult, cap)
+                l, c, g = stats(
+                    logits,
+                    labels_M[i:j],
+                    weights_M[i:j].float(),
+                    correct_w_M[i:j].float(),
+                    mult,
+                    cap,
+                )
                 loss += l
                 correct += c
                 if need_grad:
                     grad_h[i:j] = g @ w
-        if need_grad and single:
-            grad_h = grad_h[:1]
-        ctx.save_for_backward(grad_h)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct
+                if k:
+                    top[i:j], cand[i:j], slope[i:j] = _top_k(logits, k, mult, cap)
+        if single:
+            grad_h = grad_h[:1] if need_grad else None
+            top, cand, slope = top[:1].clone(), cand[:1].clone(), slope[:1].clone()
+        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.save_for_backward(grad_h, w if k else None, cand, slope)
+        ctx.mark_non_differentiable(correct, cand)
+        return loss, correct, top, cand
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_correct):
-        (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None, None
+    def backward(ctx, grad_loss, _grad_correct, grad_top, _grad_cand):
+        grad_h, w, cand, slope = ctx.saved_tensors
+        grad = grad_h * grad_loss.to(grad_h.dtype)
+        if w is not None and grad_top is not None:
+            # d top[m, j] / d h[m] = slope[m, j] * W[cand[m, j]]: k rows of the head per position
+            g = (grad_top.float() * slope).to(ctx.dtype)
+            for i, j in chunk_bounds(grad.shape[0], ctx.chunk):
+                rows = w.index_select(0, cand[i:j].reshape(-1)).view(j - i, -1, w.shape[1])
+                grad[i:j] += (g[i:j, None, :] @ rows)[:, 0].to(grad.dtype)
+        return (grad,) + (None,) * 10
 
 
 def fused_weighted_ce_sum(
@@ -110,14 +157,57 @@ def fused_weighted_ce_sum(
     matmuls in `dtype` (default: the lm_head's). The frozen lm_head gets no gradient."""
     dtype = dtype or lm_head_w_VH.dtype
     cap = float(softcap) if softcap else None
-    return _FusedLinearCE.apply(
+    loss, correct, _, _ = _FusedLinearCE.apply(
         h_MH,
         lm_head_w_VH.detach(),
         lm_head_b_V.detach() if lm_head_b_V is not None else None,
         labels_M,
         weights_M,
+        weights_M,
         chunk,
         dtype,
         float(output_multiplier),
         cap,
+        0,
     )
+    return loss, correct
+
+
+def fused_ce_selection_sum(
+    h_MH: torch.Tensor,
+    lm_head_w_VH: torch.Tensor,
+    labels_M: torch.Tensor,
+    weights_M: torch.Tensor,
+    prev_M: torch.Tensor,
+    selector,
+    *,
+    selection_weight: float,
+    chunk: int = 4096,
+    dtype: torch.dtype | None = None,
+    output_multiplier: float = 1.0,
+    softcap: float | None = None,
+    lm_head_b_V: torch.Tensor | None = None,
+    correct_weights_M: torch.Tensor | None = None,
+):
+    """DFlash2's objective as `losses.ce_selection_sum` (same value and gradients), from the
+    fused head: each chunk's logits give the CE's gradient and the selector's top-K candidates in
+    one pass, and are neither stored, recomputed nor copied to float32. The selector then scores
+    all M positions at once; its term's gradient reaches h through the K head rows of each
+    position's candidates. Returns (loss_sum, weighted_correct_sum)."""
+    dtype = dtype or lm_head_w_VH.dtype
+    cap = float(softcap) if softcap else None
+    loss, correct, top, cand = _FusedLinearCE.apply(
+        h_MH,
+        lm_head_w_VH.detach(),
+        lm_head_b_V.detach() if lm_head_b_V is not None else None,
+        labels_M,
+        weights_M,
+        weights_M if correct_weights_M is None else correct_weights_M,
+        chunk,
+        dtype,
+        float(output_multiplier),
+        cap,
+        min(selector.top_k, lm_head_w_VH.shape[0]),
+    )
+    sel = selection_sum(selector, h_MH, top, cand, labels_M, prev_M, weights_M)
+    return loss + selection_weight * sel, correct

@@ -187,12 +187,22 @@ def ce_selection_sum(
             )
         else:
             ce, c, unary, cand = _ce_topk_chunk(*args, logit_transform, lm_head_b_V)
-        scores = selector(h_MH[sl], unary, cand, prev_M[sl]).float()
-        hit = cand == labels_M[sl, None]
-        sel = F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")
-        loss = loss + ce + selection_weight * (sel * hit.any(-1) * weights_M[sl]).sum()
+        sel = selection_sum(
+            selector, h_MH[sl], unary, cand, labels_M[sl], prev_M[sl], weights_M[sl]
+        )
+        loss = loss + ce + selection_weight * sel
         correct = correct + c
     return loss, correct
+
+
+def selection_sum(selector, h_MH, unary_MK, cand_MK, labels_M, prev_M, weights_M):
+    """The selector's weighted CE among each position's top-K candidates (`ce_selection_sum`
+    says what it teaches): -log softmax(scores)[the target's token], 0 where that token is not a
+    candidate. unary_MK / cand_MK: the top-K (transformed) logits and their token ids."""
+    scores = selector(h_MH, unary_MK, cand_MK, prev_M).float()
+    hit = cand_MK == labels_M[:, None]
+    sel = F.cross_entropy(scores, hit.float().argmax(-1), reduction="none")
+    return (sel * hit.any(-1) * weights_M).sum()
 
 
 def _graph_zero(h: torch.Tensor) -> torch.Tensor:

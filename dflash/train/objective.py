@@ -27,8 +27,9 @@ loss:
 
 drafter.variant=dflash2 adds `train.selector_loss_weight` x the selector's CE among the top-K
 candidates (`dflash.train.losses.ce_selection_sum`, which says what it teaches and why its
-teacher forcing is exact), with the objective's weights. On CUDA, hard_ce and variable_prefix of
-a DFlash drafter take the fused lm_head + CE kernel; the rest the chunked, checkpointed CE.
+teacher forcing is exact), with the objective's weights. On CUDA, hard_ce and variable_prefix,
+and DFlash2's selection under any of its losses, take the fused lm_head + CE
+(`dflash.train.fused_ce`); the rest the chunked, checkpointed CE.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 
 from ..config import TrainConfig
 from ..drafter.blocks import sample_prefix_lengths, show_prefix
-from .fused_ce import fused_weighted_ce_sum
+from .fused_ce import fused_ce_selection_sum, fused_weighted_ce_sum
 from .losses import (
     ce_per_position,
     ce_selection_sum,
@@ -55,6 +56,9 @@ class Objective:
         self.spec = drafter.spec
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
         self.selector = getattr(drafter, "candidate_selector", None)  # DFlash2
+        # hard_ce / variable_prefix (and DFlash2's selection, every loss) through the fused head
+        # on CUDA; CPU keeps the checkpointed plain path (the tests compare the two on CPU)
+        self.fused = device.type == "cuda"
         if self.selector is not None and cfg.loss == "soft_kl":
             raise ValueError(
                 "train.loss=soft_kl with drafter.variant=dflash2: the selector's loss needs hard "
@@ -131,31 +135,27 @@ class Objective:
             if one_pass:
                 return (ce * dp).sum(), (hit * weights).sum()
             correct_w, weights = weights, dp
+        fused = dict(
+            dtype=self.dtype,
+            output_multiplier=self.spec.output_multiplier,
+            softcap=self.spec.final_logit_softcapping,
+        )
         if self.selector is not None:
-            return ce_selection_sum(
-                h_M,
-                w_lm,
-                labels,
-                weights,
-                p.select(self.predecessors(p)),
-                self.selector,
+            sel = (p.select(self.predecessors(p)), self.selector)
+            kw = dict(
                 selection_weight=cfg.selector_loss_weight,
                 chunk=cfg.lm_head_chunk,
-                logit_transform=transform,
                 lm_head_b_V=b_lm,
                 correct_weights_M=correct_w,
             )
-        if self.device.type == "cuda":
+            if self.fused:
+                return fused_ce_selection_sum(h_M, w_lm, labels, weights, *sel, **kw, **fused)
+            return ce_selection_sum(
+                h_M, w_lm, labels, weights, *sel, **kw, logit_transform=transform
+            )
+        if self.fused:
             return fused_weighted_ce_sum(
-                h_M,
-                w_lm,
-                labels,
-                weights,
-                chunk=cfg.lm_head_chunk,
-                dtype=self.dtype,
-                output_multiplier=self.spec.output_multiplier,
-                softcap=self.spec.final_logit_softcapping,
-                lm_head_b_V=b_lm,
+                h_M, w_lm, labels, weights, chunk=cfg.lm_head_chunk, lm_head_b_V=b_lm, **fused
             )
         return weighted_ce_sum(
             h_M,
