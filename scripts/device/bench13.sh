@@ -8,6 +8,7 @@
 #   WHAT=qwen05_cg bash scripts/device/bench13.sh  (the step as CUDA graphs: --cudagraph-ab)
 #   WHAT=regen_prof bash scripts/device/bench13.sh  (regeneration at the recipe's shape, profiled)
 #   WHAT=regen_fuse bash scripts/device/bench13.sh  (data.regen_fuse vs plain, batch 512 and 1024)
+#   WHAT="qwen05 qwen05_dflash2" bash scripts/device/bench13.sh  (DFlash2's step: fused vs plain head)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
@@ -27,6 +28,10 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       rows=$([ $w = ${w%_r32} ] && echo 16 || echo 32)
       timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP \
         --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
+      pack_profile $w ;;
+    qwen05_dflash2)  # the recipe's loop with drafter.variant=dflash2, its fused and plain heads A/B
+      timeout 280 python3 benchmarks/bench_loop.py --target qwen2_5_coder_0_5b --rows 16 $LOOP \
+        --variant dflash2 --head-ab --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
       pack_profile $w ;;
     qwen05_cg)  # the 16-row loop with the drafter step as CUDA graphs vs compiled as now
       timeout 280 python3 benchmarks/bench_loop.py --target qwen2_5_coder_0_5b --rows 16 $LOOP \
