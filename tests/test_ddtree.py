@@ -252,3 +252,93 @@ def test_accept_budget_one_is_argmax_match():
     vals, ids = torch.topk(lp, 4, dim=-1)
     with pytest.raises(ValueError):
         ddtree_accept_topk(vals, ids, target, [5])
+
+
+# ----------------------------------------------------------------------------- conditional trees
+def _cond_rows(n, D, K, seed, shared=False):
+    """Random TreeRows: scores [n, D, K, K] (the root's row repeated over parents), candidates of
+    distinct tokens per depth; shared=True: one row per depth for every parent."""
+    from dflash.decoding.ddtree import TreeRows
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(n, D, K, K, generator=g, dtype=torch.float64) * 2
+    scores[:, 0] = scores[:, 0, :1]  # the root: one parent
+    if shared:
+        scores[:] = scores[:, :, :1]
+    cand = torch.stack([torch.randperm(3 * K, generator=g)[:K] for _ in range(n * D)]).view(n, D, K)
+    return TreeRows.from_scores(scores, cand), torch.log_softmax(scores, -1), cand
+
+
+def _cond_prefixes(lp_DKK, cand_DK):
+    """Every prefix of one anchor: (key, tokens), key = (-score, depth, rank tuple), the rank of
+    each token in its parent's row sorted descending (stable)."""
+    D, K = cand_DK.shape
+    order = torch.sort(lp_DKK, dim=-1, descending=True, stable=True).indices.tolist()
+    out = []
+    for d in range(1, D + 1):
+        for cs in itertools.product(range(K), repeat=d):
+            score, ranks, pc = 0.0, [], 0
+            for t, c in enumerate(cs):
+                score += float(lp_DKK[t, pc, c])
+                ranks.append(order[t][pc].index(c))
+                pc = c
+            toks = tuple(int(cand_DK[t, c]) for t, c in enumerate(cs))
+            out.append(((-score, d, tuple(ranks)), toks))
+    return sorted(out)
+
+
+@pytest.mark.parametrize("D,K,seed", [(3, 3, 0), (4, 2, 1), (2, 4, 2)])
+def test_cond_tree_equals_brute_force_top_b_for_every_budget(D, K, seed):
+    """build_cond_tree = the b best prefixes under prod q(u_t | u_{t-1}), in key order; and
+    cond_accept_many = the deepest greedy prefix inside that set, for every budget."""
+    from dflash.decoding.ddtree import TreeRows, build_cond_tree, cond_accept_many
+
+    rows, lp, cand = _cond_rows(3, D, K, seed)
+    for a in range(3):
+        ranked = _cond_prefixes(lp[a], cand[a])
+        one = TreeRows(rows.logprobs[a : a + 1], rows.order[a : a + 1], rows.cand[a : a + 1])
+        for b in range(len(ranked) + 2):
+            tree = build_cond_tree(one, b)
+            assert tree.paths() == [t for _, t in ranked[:b]], (a, b)
+            assert torch.allclose(
+                tree.logprobs, torch.tensor([-k[0] for k, _ in ranked[:b]], dtype=torch.float64)
+            )
+            assert all(tree.parents[i] < i for i in range(tree.num_nodes))
+        # continuations: the best full path, the same off it at depth 2, absent at depth 1, and
+        # the chain of each node's best child
+        path = [t for _, t in ranked if len(t) == D][0]
+        chain, pc = [], 0
+        for t in range(D):
+            pc = int(rows.order[a, t, pc, 0])
+            chain.append(int(cand[a, t, pc]))
+        targets = [list(path), [path[0], -5] + list(path[2:]), [-7] * D, chain]
+        budgets = list(range(0, len(ranked) + 1))
+        for tgt in targets:
+            tgt = torch.tensor(tgt[:D])
+            got = cond_accept_many(TreeRows(one.logprobs, one.order, one.cand), tgt[None], budgets)[
+                0
+            ].tolist()
+            for b, acc in zip(budgets, got):
+                members = {t for _, t in ranked[:b]}
+                want = 0
+                for d in range(1, D + 1):
+                    if tuple(tgt[:d].tolist()) in members:
+                        want = d
+                    else:
+                        break
+                assert acc == want, (a, tgt.tolist(), b, acc, want)
+
+
+def test_cond_tree_with_one_row_per_depth_is_ddtree():
+    """When no depth's distribution depends on the token before it, the conditional tree is
+    DDTree over the per-position distributions: same nodes, scores and parents."""
+    from dflash.decoding.ddtree import build_cond_tree
+
+    rows, lp, cand = _cond_rows(1, 4, 5, 3, shared=True)
+    V = 3 * 5
+    full = torch.full((4, V), -float("inf"), dtype=torch.float64)
+    full.scatter_(1, cand[0], lp[0, :, 0])
+    for b in (1, 4, 7, 20, 60):
+        a, c = build_ddtree(full, b, full_vocab=True), build_cond_tree(rows, b)
+        assert a.paths() == c.paths() and torch.equal(a.parents, c.parents)
+        assert torch.allclose(a.logprobs, c.logprobs)

@@ -436,7 +436,8 @@ def test_eval_cli_reports_a_published_dflash2_directory(tmp_path):
 def test_packed_blocks_draft_as_blocks_alone():
     """The convolutions stay inside each block: the evaluation / training pass over every anchor
     at once (blocks packed side by side) drafts, per anchor, what decoding drafts for that block
-    alone, selector path included."""
+    alone, selector path and tree rows included; the path is the tree's chain of best children."""
+    from dflash.decoding.ddtree import TreeRows
     from dflash.eval.offline import draft_all_anchors
     from dflash.eval.sets import EvalItem
     from dflash.target.shape import Heads
@@ -448,14 +449,26 @@ def test_packed_blocks_draft_as_blocks_alone():
     P = 10
     item = EvalItem(torch.tensor(ids[:P]), torch.tensor(ids[P:]), aux)
     heads = Heads(target.embed_tokens, target.lm_head)
-    packed, lp, _ = draft_all_anchors(d, heads, item, top_k=4, anchor_chunk=7)
+    packed, rows, _ = draft_all_anchors(d, heads, item, top_k=4, anchor_chunk=7)
+    assert isinstance(rows, TreeRows) and rows.cand.shape[:2] == packed.shape
     ds = DrafterState(target, d)
     for i in range(len(ids) - P):
         ds.ctx_kv, ds.T = None, 0
         ds.append(aux[: P + i])
         assert torch.equal(packed[i], ds.draft(P + i, ids[P + i])[0]), i
-        lp_alone = torch.log_softmax(ds.draft_logits(P + i, ids[P + i]), -1).topk(4).values
-        assert torch.allclose(lp[i], lp_alone, atol=1e-5), i
+        with torch.no_grad():
+            h = ds.draft_hidden(P + i, ids[P + i])[None]
+            scored = d.tree_scores(
+                h, d.logits(h, target.lm_head.weight), torch.tensor([ids[P + i]])
+            )
+        alone = TreeRows.from_scores(*scored)
+        assert torch.equal(rows.cand[i], alone.cand[0]), i
+        assert torch.allclose(rows.logprobs[i], alone.logprobs[0], atol=1e-5), i
+        pc, best = 0, []
+        for t in range(packed.shape[1]):
+            pc = int(rows.order[i, t, pc, 0])
+            best.append(int(rows.cand[i, t, pc]))
+        assert best == packed[i].tolist(), i
 
 
 def test_offline_tau_equals_real_chain_decoding():
@@ -476,6 +489,34 @@ def test_offline_tau_equals_real_chain_decoding():
     walk = walk_chain(draft, item.completion_ids)
     real = generate_chain(target, d, prompt, 48)
     assert real.tokens == ar.tokens and walk.accepted == real.accepted
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen3_5"])
+def test_offline_tree_equals_real_tree_decoding(name):
+    """eval's DDTree over the selector's rows accepts what tree decoding (the same tree, built
+    by DrafterState.draft_tree) accepts, round by round, at two budgets; the tokens are the
+    target's greedy ones. A DFlash2 drafter pushed towards the truth (OracleDrafter: streaks,
+    decoys that only a tree branch recovers, misses), so the trees accept."""
+    from dflash.decoding import generate_tree
+    from dflash.eval.offline import evaluate
+    from dflash.eval.sets import consistent_greedy
+    from dflash.target.shape import Heads
+    from dflash.tools.testing import OracleDrafter
+
+    target = get_target(name)
+    heads = Heads(target.embed_tokens, target.lm_head)
+    prompt = list(range(3, 19))
+    ar = generate_ar(target, prompt, 40)
+    item = consistent_greedy(target, prompt, ar.tokens)
+    L = item.completion_ids.numel()
+    truth = prompt + item.completion_ids.tolist()
+    d = OracleDrafter(_dflash2(target), target.lm_head.weight, truth, pattern="mixed", seed=3)
+    reps, summary = evaluate(d, heads, [item], [4, 16])
+    for b in (4, 16):
+        real = generate_tree(target, d, prompt, L, b)
+        assert real.tokens == item.completion_ids.tolist()
+        assert real.accepted == reps[0].trees[b].accepted, (b, real.accepted)
+    assert sum(reps[0].trees[16].accepted) > sum(reps[0].chain.accepted) > 0
 
 
 def test_sampled_decoding_at_t0_is_chain_decoding():

@@ -40,7 +40,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["DDTree", "build_ddtree", "sorted_topk", "heap_rows"]
+__all__ = [
+    "DDTree",
+    "TreeRows",
+    "build_ddtree",
+    "build_cond_tree",
+    "cond_accept_many",
+    "sorted_topk",
+    "heap_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -223,3 +231,146 @@ def _ancestor_mask(parents_b: Tensor, max_depth: int) -> Tensor:
         vis[rows[ok], cur[ok]] = True
         cur = torch.where(ok, parents_b[cur.clamp(min=0)], cur)
     return vis
+
+
+# ----------------------------------------------------------------------------------------
+# conditional trees: a drafter whose distribution at a position depends on the token before it
+# (DFlash2's selector: each position's top-K candidates, scored given the predecessor)
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """The children of every node, for drafters whose position t+1 depends on the token at t.
+
+    Over anchors a, depths t (0 = the bonus token, the root) and the candidates p of depth t
+    (the root's row is the same for every p; only p = 0 is read):
+
+    logprobs [n, D, K, K] float  log q(child | parent) of the children at depth t+1 of candidate
+                                 p, best first (a stable descending sort)
+    order    [n, D, K, K] long   the candidate index (at depth t+1) of each child in that order
+    cand     [n, D, K]    long   token id of candidate j at depth t+1
+
+    A prefix (u_1..u_d) scores sum_t log q(u_t | u_{t-1}); the best tree of b nodes is again
+    the b best prefixes (a child never scores above its parent), found by the same best-first
+    search with the children of each node read from its own row: a node's key is
+    (-score, depth, rank tuple), the rank of each token in its parent's row. With one row per
+    depth shared by every parent this is DDTree over per-position distributions exactly.
+    Exact for every budget among the candidates: a token outside a depth's K is never drafted.
+    """
+
+    logprobs: Tensor
+    order: Tensor
+    cand: Tensor
+
+    @classmethod
+    def from_scores(cls, scores_nDKK: Tensor, cand_nDK: Tensor) -> TreeRows:
+        """From the children's scores [n, D, K(parent), K(child)] (logits of q(. | parent)),
+        on any device; stored on the CPU."""
+        lp = torch.log_softmax(scores_nDKK.detach().double(), -1)
+        lp, order = torch.sort(lp, dim=-1, descending=True, stable=True)
+        return cls(lp.cpu(), order.cpu(), cand_nDK.detach().cpu())
+
+    @staticmethod
+    def cat(rows: list[TreeRows]) -> TreeRows:
+        return TreeRows(*(torch.cat([getattr(r, f) for r in rows]) for f in TreeRows._FIELDS))
+
+    _FIELDS = ("logprobs", "order", "cand")
+
+
+def _cond_tree_nodes(lp, order, budget: int) -> list[tuple[int, int, int, float]]:
+    """Pop the ``budget`` best prefixes of one anchor's rows (python lists [D][K][K]); returns
+    (depth, candidate index, parent_index, score) per node, in pop order."""
+    D, K = len(lp), len(lp[0][0])
+    nodes: list[tuple[int, int, int, float]] = []
+    # (neg_score, depth, code, rank, parent_neg_score, parent_index, parent_candidate)
+    heap = [(-lp[0][0][0], 1, 0, 0, 0.0, -1, 0)]
+    while heap and len(nodes) < budget:
+        neg, d, code, r, pneg, parent, pc = heap[0]
+        c = order[d - 1][pc][r]
+        idx = len(nodes)
+        nodes.append((d, c, parent, -neg))
+        if r + 1 < K:
+            sib = (pneg - lp[d - 1][pc][r + 1], d, code + 1, r + 1, pneg, parent, pc)
+            heapq.heapreplace(heap, sib)
+        else:
+            heapq.heappop(heap)
+        if d < D:
+            heapq.heappush(heap, (neg - lp[d][c][0], d + 1, code * K, 0, neg, idx, c))
+    return nodes
+
+
+def _cond_greedy_pop_ranks(lp, order, path_c: list[int], max_pops: int) -> list[int]:
+    """1-based pop ranks of the greedy prefixes p_1, p_2, ... (``path_c[d-1]``: the candidate
+    index of the greedy token at depth d) that pop within ``max_pops``; as
+    ``dflash.eval.ddtree._greedy_pop_ranks`` with each node's children read from its own row."""
+    m = len(path_c)
+    if m == 0 or max_pops <= 0:
+        return []
+    D, K = len(lp), len(lp[0][0])
+    out: list[int] = []
+    pops = 0
+    heap = [(-lp[0][0][0], 1, 0, 0, 0.0, True, 0)]  # payload: parent on the greedy path
+    heappush, heapreplace, heappop = heapq.heappush, heapq.heapreplace, heapq.heappop
+    while heap:
+        neg, d, code, r, pneg, parent_on, pc = heap[0]
+        c = order[d - 1][pc][r]
+        pops += 1
+        on = parent_on and d <= m and path_c[d - 1] == c
+        if on:
+            out.append(pops)
+            if len(out) == m:
+                break
+        if pops >= max_pops:
+            break
+        if r + 1 < K:
+            heapreplace(
+                heap, (pneg - lp[d - 1][pc][r + 1], d, code + 1, r + 1, pneg, parent_on, pc)
+            )
+        else:
+            heappop(heap)
+        if d < D:
+            heappush(heap, (neg - lp[d][c][0], d + 1, code * K, 0, neg, on, c))
+    return out
+
+
+def build_cond_tree(rows: TreeRows, budget: int) -> DDTree:
+    """The best tree of ``budget`` nodes of one anchor's conditional rows (``rows`` of n = 1)."""
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    D = rows.cand.shape[1]
+    if budget == 0 or D == 0:
+        return build_ddtree(torch.empty(0, 1), 0)
+    nodes = _cond_tree_nodes(rows.logprobs[0].tolist(), rows.order[0].tolist(), budget)
+    depths = torch.tensor([n[0] for n in nodes], dtype=torch.long)
+    cands = torch.tensor([n[1] for n in nodes], dtype=torch.long)
+    parents = torch.tensor([n[2] for n in nodes], dtype=torch.long)
+    logprobs = torch.tensor([n[3] for n in nodes], dtype=torch.float64)
+    tokens = rows.cand[0][depths - 1, cands]
+    return DDTree(tokens, parents, depths, logprobs, _ancestor_mask(parents, D))
+
+
+def cond_accept_many(rows: TreeRows, target_tokens_nD: Tensor, budgets) -> Tensor:
+    """Accepted depth at T=0 of each anchor's best conditional tree, per budget -> [n, len(budgets)]
+    (as ``dflash.eval.ddtree.ddtree_accept_many``; a negative target token marks an unavailable
+    position)."""
+    budgets = [int(b) for b in budgets]
+    n, D = rows.cand.shape[:2]
+    out = torch.zeros(n, len(budgets), dtype=torch.long)
+    if n == 0 or D == 0 or not budgets or max(budgets) <= 0:
+        return out
+    tgt = torch.as_tensor(target_tokens_nD).to("cpu", torch.long)[:, :D]
+    if tgt.shape[1] < D:
+        tgt = torch.cat([tgt, tgt.new_full((n, D - tgt.shape[1]), -1)], 1)
+    match = (rows.cand == tgt[..., None]) & (tgt >= 0)[..., None]
+    cidx = torch.where(match.any(-1), match.to(torch.uint8).argmax(-1), -1).tolist()
+    bmax = max(budgets)
+    for a in range(n):
+        path = cidx[a]
+        if -1 in path:
+            path = path[: path.index(-1)]
+        if not path:
+            continue
+        lp, order = rows.logprobs[a].tolist(), rows.order[a].tolist()
+        pops = _cond_greedy_pop_ranks(lp, order, path, bmax)
+        out[a] = torch.tensor([sum(1 for p in pops if p <= b) for b in budgets])
+    return out

@@ -14,6 +14,7 @@ import torch
 from ..drafter.blocks import block_attention_mask, mask_rules
 from ..target.cache import cache_kw
 from ..target.shape import embed_table, head_bias
+from .ddtree import TreeRows, build_cond_tree, build_ddtree
 
 
 @dataclass
@@ -188,6 +189,20 @@ class DrafterState:
     def draft_logits(self, start: int, bonus: int) -> torch.Tensor:
         """float32 logits [D, V] of block positions 1..B-1 for the block anchored at `start`."""
         return self._logits(self.draft_hidden(start, bonus))
+
+    @torch.no_grad()
+    def draft_tree(self, start: int, bonus: int, budget: int):
+        """The draft tree of `budget` nodes for the block anchored at `start`, by the drafter's
+        own rule: DDTree over the per-position distributions (DFlash), over the selector's
+        conditional rows (DFlash2: `tree_scores`)."""
+        h = self.draft_hidden(start, bonus)
+        logits = self._logits(h)
+        scored = self.drafter.tree_scores(
+            h[None], logits[None], torch.tensor([bonus], device=h.device)
+        )
+        if scored is None:
+            return build_ddtree(torch.log_softmax(logits, -1), budget)
+        return build_cond_tree(TreeRows.from_scores(*scored), budget)
 
     @torch.no_grad()
     def draft(self, start: int, bonus: int, sampling=None, generator=None):

@@ -92,6 +92,9 @@ def generate_tree(
     Attention-only targets: one forward over [bonus, tree nodes] with depth positions and the
     ancestor-only mask, then the K/V of prefix + bonus + accepted nodes are gathered in order.
     Hybrid targets: root-to-leaf paths verified as a batch of chains (see the `dflash.decoding` docstring).
+    The tree is the drafter's own (`DrafterState.draft_tree`: DFlash's per-position DDTree,
+    DFlash2's over the selector's rows); draft_fn(drafter_state, start, bonus) -> logits [D, V]
+    overrides it with DDTree over softmax(logits) (tests).
     """
     model, dev = target.model, target.device
     run = TargetRunner(target)
@@ -115,11 +118,12 @@ def generate_tree(
     sync(dev)
     res = DecodeResult(f"tree@{budget}", [], prefill_s=time.perf_counter() - t0)
     start = P
-    draft_fn = draft_fn or (lambda st, s, b: st.draft_logits(s, b))
     while len(out) < max_new_tokens and out[-1] != eos_token_id:
         bonus = out[-1]
-        lp = torch.log_softmax(draft_fn(ds, start, bonus), -1)
-        tree = build_ddtree(lp, budget)
+        if draft_fn is None:  # the drafter's own tree (DFlash2: over the selector's rows)
+            tree = ds.draft_tree(start, bonus, budget)
+        else:
+            tree = build_ddtree(torch.log_softmax(draft_fn(ds, start, bonus), -1), budget)
         b = tree.num_nodes
         cap = max_new_tokens - len(out)
         if not hybrid:

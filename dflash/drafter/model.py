@@ -227,6 +227,12 @@ class DFlashDrafter(nn.Module):
         distributions along a known continuation. DFlash's do not depend on prev."""
         return sampling.probs(logits_nDV)
 
+    def tree_scores(self, h_nDH, logits_nDV, anchor_n):
+        """The draft tree's children scores when a position depends on the token before it:
+        (scores [n, D, K, K], candidates [n, D, K]) for dflash.decoding.ddtree.TreeRows. None:
+        DFlash's positions are independent, and its tree is DDTree over softmax(logits)."""
+        return None
+
 
 def num_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..decoding.ddtree import TreeRows, cond_accept_many
 from .ddtree import ddtree_accept_many
 
 __all__ = [
@@ -159,8 +160,13 @@ def walk_ddtree(
     budgets: Sequence[int],
     *,
     full_vocab: bool = False,
+    tree_rows=None,
 ) -> dict[int, TreeWalk]:
     """DDTree rounds, each budget walked as its own sequence of rounds.
+
+    ``tree_rows`` (dflash.decoding.ddtree.TreeRows over the anchors, instead of the top-k
+    inputs): a drafter whose positions depend on the token before (DFlash2), its tree over
+    each candidate's own children.
 
     ``topk_ids_LDK=None`` means ``topk_logprobs_LDK`` holds full-vocab log probs [L, D, V].
     Top-k inputs need K >= max(budgets) unless ``full_vocab=True``. Near the end of the
@@ -169,14 +175,13 @@ def walk_ddtree(
     """
     budgets = sorted({int(b) for b in budgets})
     greedy_L = _as_long_cpu(greedy_L).reshape(-1)
-    L, D = greedy_L.numel(), topk_logprobs_LDK.shape[1]
+    source = tree_rows.cand if tree_rows is not None else topk_logprobs_LDK
+    L, D = greedy_L.numel(), source.shape[1]
     walks = {b: TreeWalk(budget=b) for b in budgets}
     if L < 2 or D == 0 or not budgets:
         return walks
-    if topk_logprobs_LDK.shape[0] < L - 1:
-        raise ValueError(
-            f"draft has {topk_logprobs_LDK.shape[0]} anchor rows, completion needs {L - 1}"
-        )
+    if source.shape[0] < L - 1:
+        raise ValueError(f"draft has {source.shape[0]} anchor rows, completion needs {L - 1}")
     if topk_ids_LDK is not None:  # top-k inputs are small: one transfer, not one per anchor
         topk_logprobs_LDK, topk_ids_LDK = (
             topk_logprobs_LDK.detach().cpu(),
@@ -186,14 +191,18 @@ def walk_ddtree(
     # visited anchor, though walks visit ~3/4 of them
     tail = torch.cat([greedy_L[1:], greedy_L.new_full((D,), -1)])
     targets = tail.unfold(0, D, 1)[: L - 1]  # -1 past the completion: caps acceptance
-    table = ddtree_accept_many(
-        topk_logprobs_LDK[: L - 1],
-        None if topk_ids_LDK is None else topk_ids_LDK[: L - 1],
-        targets,
-        budgets,
-        full_vocab=full_vocab,
-        chunk=L,
-    ).tolist()
+    if tree_rows is not None:
+        first = TreeRows(*(getattr(tree_rows, f)[: L - 1] for f in TreeRows._FIELDS))
+        table = cond_accept_many(first, targets, budgets).tolist()
+    else:
+        table = ddtree_accept_many(
+            topk_logprobs_LDK[: L - 1],
+            None if topk_ids_LDK is None else topk_ids_LDK[: L - 1],
+            targets,
+            budgets,
+            full_vocab=full_vocab,
+            chunk=L,
+        ).tolist()
     for j, b in enumerate(budgets):
         walk, i = walks[b], 0
         while i < L - 1:
@@ -259,12 +268,19 @@ def evaluate_prompt(
     budgets: Sequence[int] = (),
     full_vocab: bool = False,
     prompt_id: str | int | None = None,
+    tree_rows=None,
 ) -> PromptReport:
-    """Chain walk, DDTree walks (when top-k inputs and budgets are given), pos-k accuracy."""
+    """Chain walk, DDTree walks (when top-k inputs, or a conditional drafter's TreeRows, and
+    budgets are given), pos-k accuracy."""
     trees: dict[int, TreeWalk] = {}
-    if topk_logprobs_LDK is not None and budgets:
+    if (topk_logprobs_LDK is not None or tree_rows is not None) and budgets:
         trees = walk_ddtree(
-            topk_logprobs_LDK, topk_ids_LDK, greedy_L, budgets, full_vocab=full_vocab
+            topk_logprobs_LDK,
+            topk_ids_LDK,
+            greedy_L,
+            budgets,
+            full_vocab=full_vocab,
+            tree_rows=tree_rows,
         )
     hits, totals = position_hits(draft_LD, greedy_L)
     return PromptReport(walk_chain(draft_LD, greedy_L), trees, hits, totals, prompt_id)

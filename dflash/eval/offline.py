@@ -5,7 +5,9 @@ drafter then runs once with every completion position as an anchor, through the 
 machinery as training (dflash.drafter.blocks), drafts each block by its own rule (`propose`:
 DFlash each position's argmax, DFlash2 the selector's path from the anchor token, which depends
 only on the committed prefix as the block does) and dflash.eval.metrics walks the rounds exactly
-as a serving engine would at temperature 0. DDTree is built from the drafter's logits either way.
+as a serving engine would at temperature 0. DDTree follows the drafter's rule too: DFlash's tree
+over its per-position distributions, DFlash2's over the selector's rows (each candidate's
+children scored after it: dflash.decoding.ddtree.TreeRows), as real tree decoding builds them.
 
 Legend: P prompt length, L completion length, T = P + L, D = B - 1 drafted positions, K top-k.
 """
@@ -16,6 +18,7 @@ import contextlib
 
 import torch
 
+from ..decoding.ddtree import TreeRows
 from ..decoding.rejection import expected_accepted, overlap
 from ..decoding.sampled import Sampling
 from ..drafter.blocks import build_blocks, mask_rules
@@ -34,7 +37,8 @@ def draft_all_anchors(
     dtype: torch.dtype = torch.float32,
     sampling: tuple | None = None,
 ):
-    """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K].
+    """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K]
+    for DDTree (a drafter with `tree_scores`, DFlash2: its TreeRows over [L] anchors, and None).
     sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
     the acceptance probability sum_x min(p, q) ([..., 0]) and the probability min(p(g), q(g))
     of accepting the greedy token g ([..., 1]), p from the cached target states along the
@@ -72,11 +76,17 @@ def draft_all_anchors(
         drafts.append(draft.cpu())
         if sampling is not None:
             alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
-        if top_k > 0:
+        scored = drafter.tree_scores(h, logits, ids[0, anchors[0]]) if top_k > 0 else None
+        if scored is not None:  # DFlash2: the selector's conditional rows
+            lps.append(TreeRows.from_scores(*scored))
+        elif top_k > 0:
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
             tids.append(i.cpu())
     draft = torch.cat(drafts)
+    if lps and isinstance(lps[0], TreeRows):
+        rows = (draft, TreeRows.cat(lps), None)
+        return rows + (torch.cat(alphas),) if sampling is not None else rows
     out = (draft, torch.cat(lps), torch.cat(tids)) if top_k > 0 else (draft, None, None)
     return out + (torch.cat(alphas),) if sampling is not None else out
 
@@ -162,6 +172,9 @@ def evaluate(
         draft, lp, ids, *alpha = draft_all_anchors(
             drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype, sampling=sampling
         )
+        rows = lp if isinstance(lp, TreeRows) else None
+        if rows is not None:
+            lp = None
         full_vocab = lp is not None and lp.shape[-1] == heads.lm_head.weight.shape[0]
         rep = evaluate_prompt(
             draft,
@@ -171,6 +184,7 @@ def evaluate(
             budgets=list(budgets),
             full_vocab=full_vocab,
             prompt_id=n,
+            tree_rows=rows,
         )
         reports.append(rep)
         if temps and rep.chain.anchors:

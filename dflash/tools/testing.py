@@ -104,6 +104,9 @@ class OracleDrafter(torch.nn.Module):
     def proposal(self, *args, **kw):
         return self.base.proposal(*args, **kw)
 
+    def tree_scores(self, *args, **kw):
+        return self.base.tree_scores(*args, **kw)
+
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)
 
