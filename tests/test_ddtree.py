@@ -291,12 +291,12 @@ def _cond_prefixes(lp_DKK, cand_DK):
 def test_cond_tree_equals_brute_force_top_b_for_every_budget(D, K, seed):
     """build_cond_tree = the b best prefixes under prod q(u_t | u_{t-1}), in key order; and
     cond_accept_many = the deepest greedy prefix inside that set, for every budget."""
-    from dflash.decoding.ddtree import TreeRows, build_cond_tree, cond_accept_many
+    from dflash.decoding.ddtree import build_cond_tree, cond_accept_many
 
     rows, lp, cand = _cond_rows(3, D, K, seed)
     for a in range(3):
         ranked = _cond_prefixes(lp[a], cand[a])
-        one = TreeRows(rows.logprobs[a : a + 1], rows.order[a : a + 1], rows.cand[a : a + 1])
+        one = rows[a : a + 1]
         for b in range(len(ranked) + 2):
             tree = build_cond_tree(one, b)
             assert tree.paths() == [t for _, t in ranked[:b]], (a, b)
@@ -315,9 +315,7 @@ def test_cond_tree_equals_brute_force_top_b_for_every_budget(D, K, seed):
         budgets = list(range(0, len(ranked) + 1))
         for tgt in targets:
             tgt = torch.tensor(tgt[:D])
-            got = cond_accept_many(TreeRows(one.logprobs, one.order, one.cand), tgt[None], budgets)[
-                0
-            ].tolist()
+            got = cond_accept_many(one, tgt[None], budgets)[0].tolist()
             for b, acc in zip(budgets, got):
                 members = {t for _, t in ranked[:b]}
                 want = 0

@@ -272,9 +272,15 @@ class TreeRows:
 
     @staticmethod
     def cat(rows: list[TreeRows]) -> TreeRows:
-        return TreeRows(*(torch.cat([getattr(r, f) for r in rows]) for f in TreeRows._FIELDS))
+        """The anchors of several TreeRows, in order."""
+        return TreeRows(*(torch.cat(parts) for parts in zip(*(r._parts() for r in rows))))
 
-    _FIELDS = ("logprobs", "order", "cand")
+    def __getitem__(self, anchors) -> TreeRows:
+        """The rows of some anchors (a slice or index tensor over n)."""
+        return TreeRows(*(x[anchors] for x in self._parts()))
+
+    def _parts(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.logprobs, self.order, self.cand
 
 
 def _cond_tree_nodes(lp, order, budget: int) -> list[tuple[int, int, int, float]]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..decoding.ddtree import TreeRows, cond_accept_many
+from ..decoding.ddtree import cond_accept_many
 from .ddtree import ddtree_accept_many
 
 __all__ = [
@@ -192,8 +192,7 @@ def walk_ddtree(
     tail = torch.cat([greedy_L[1:], greedy_L.new_full((D,), -1)])
     targets = tail.unfold(0, D, 1)[: L - 1]  # -1 past the completion: caps acceptance
     if tree_rows is not None:
-        first = TreeRows(*(getattr(tree_rows, f)[: L - 1] for f in TreeRows._FIELDS))
-        table = cond_accept_many(first, targets, budgets).tolist()
+        table = cond_accept_many(tree_rows[: L - 1], targets, budgets).tolist()
     else:
         table = ddtree_accept_many(
             topk_logprobs_LDK[: L - 1],

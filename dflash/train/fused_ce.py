@@ -85,8 +85,7 @@ class _FusedLinearCE(torch.autograd.Function):
     def forward(ctx, h_MH, w_VH, b_V, labels_M, weights_M, correct_w_M, chunk, dtype, mult, cap, k):
         stats = _compiled_stats() if h_MH.is_cuda else _ce_stats
         need_grad = ctx.needs_input_grad[0]
-        M = h_MH.shape[0]
-        single = M == 1
+        single = h_MH.shape[0] == 1
         if single:  # one row: a zero-weight copy as a second keeps the compiled shape general
             h_MH, labels_M = torch.cat([h_MH, h_MH]), torch.cat([labels_M, labels_M])
             weights_M = torch.cat([weights_M, torch.zeros_like(weights_M)])
