@@ -39,12 +39,15 @@ def test_backend_is_fla_on_cuda(qwen_cuda_fp32):
     assert qwen_cuda_fp32.backend == "fla"
 
 
-def test_specdec_identical_to_greedy_on_fla(qwen_cuda_fp32):
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_specdec_identical_to_greedy_on_fla(qwen_cuda_fp32, variant):
+    """Chain and tree decoding on the device give the target's greedy tokens (DFlash2: its
+    selector's path and its tree over the selector's rows)."""
     from dflash.decoding import generate_ar, generate_chain, generate_tree
     from dflash.tools.testing import OracleDrafter
 
     t = qwen_cuda_fp32
-    base = make_drafter(t, block_size=8).to("cuda")
+    base = make_drafter(t, block_size=8, variant=variant).to("cuda")
     g = torch.Generator().manual_seed(0)
     for i in range(2):
         prompt = torch.randint(0, 511, (16,), generator=g).tolist()
