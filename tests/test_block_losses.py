@@ -22,6 +22,7 @@ from dflash.train.losses import dpace_weights
 from dflash.train.step import DrafterTrainer
 
 GAMMA = 3.0
+_HEAD = {False: "plain", True: "fused"}  # train.fused_head (auto is plain on the CPU)
 
 
 def _trainer(target, drafter, **over):
@@ -163,8 +164,8 @@ def test_selection_loss_is_brute_force(tiny_qwen, fused):
         d.candidate_selector.predecessor_codebook.normal_(0, 0.5, generator=g)
         d.candidate_selector.hidden_projection.weight.normal_(0, 0.5, generator=g)
     lam = 0.7
-    tr = _trainer(tiny_qwen, d, selector_loss_weight=lam)
-    tr.objective.fused = fused
+    tr = _trainer(tiny_qwen, d, selector_loss_weight=lam, fused_head=_HEAD[fused])
+    assert tr.objective.fused == fused
     tb = target_forward(tiny_qwen, collate(_samples(tiny_qwen)))
     p = tr.prepare(tb, 0)
     h = _hidden(tr, tb, p)
@@ -234,8 +235,7 @@ def test_grad_accumulation_equals_one_big_batch(tiny_qwen, variant, loss, fused)
         for n, p in d.named_parameters():
             if n.startswith("candidate_selector."):
                 p.normal_(0, 0.3, generator=torch.Generator().manual_seed(2))
-    tr = _trainer(tiny_qwen, d, loss=loss)
-    tr.objective.fused = fused
+    tr = _trainer(tiny_qwen, d, loss=loss, fused_head=_HEAD[fused])
     big = [target_forward(tiny_qwen, collate(s))]
     small = [target_forward(tiny_qwen, collate(s[:1])), target_forward(tiny_qwen, collate(s[1:]))]
     g_big, g_small = _grads(tr, big), _grads(tr, small)
@@ -297,10 +297,10 @@ def _train_dp(rank, world, group, variant, loss, mode, stage=1, fused=False):
         loss=loss,
         dist=mode,
         zero_stage=stage,
+        fused_head=_HEAD[fused],
     )
     heads = Heads(target.embed_tokens, target.lm_head)
     tr = DrafterTrainer(d, heads, cfg, torch.device("cpu"), dp_group=group)
-    tr.objective.fused = fused
     for micro in _micro(target, rank, world):
         tr.train_step(micro)
     return {k: v.detach().clone() for k, v in tr.drafter_for_io().state_dict().items()}

@@ -57,8 +57,11 @@ class Objective:
         self.weights_k = position_weights(self.spec.block_size, cfg.gamma).to(device)
         self.selector = getattr(drafter, "candidate_selector", None)  # DFlash2
         # hard_ce / variable_prefix (and DFlash2's selection, every loss) through the fused head
-        # on CUDA; CPU keeps the checkpointed plain path (the tests compare the two on CPU)
-        self.fused = device.type == "cuda"
+        # (train.fused_head; auto: on CUDA, where its CE stats are one compiled kernel; on the
+        # CPU they run eagerly, slower than the plain path)
+        self.fused = cfg.fused_head == "fused" or (
+            cfg.fused_head == "auto" and device.type == "cuda"
+        )
         if self.selector is not None and cfg.loss == "soft_kl":
             raise ValueError(
                 "train.loss=soft_kl with drafter.variant=dflash2: the selector's loss needs hard "
