@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--attn-kernel", default="auto", help="train.attn_kernel")
     ap.add_argument("--fuse", action="store_true", help="train.fuse")
     ap.add_argument(
+        "--variant", default="dflash", help="drafter.variant (dflash2: the drafter yaml's selector)"
+    )
+    ap.add_argument(
         "--label-sampling",
         default="all",
         choices=["all", "by_weight", "both"],
@@ -45,8 +48,9 @@ def main() -> None:
 
     from dflash.config import DrafterConfig, TrainConfig
     from dflash.data.batch import TargetBatch
-    from dflash.drafter.model import DFlashDrafter, num_params
+    from dflash.drafter.model import num_params
     from dflash.drafter.spec import resolve_spec
+    from dflash.drafter.variants import build_model
     from dflash.target.shape import Heads, TargetShape
     from dflash.train.step import DrafterTrainer
 
@@ -54,14 +58,15 @@ def main() -> None:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     dcfg = DrafterConfig(
-        **OmegaConf.to_container(OmegaConf.load(f"{root}/conf/drafter/{dname}.yaml"))
+        **OmegaConf.to_container(OmegaConf.load(f"{root}/conf/drafter/{dname}.yaml")),
+        variant=args.variant,
     )
     heads_n = dcfg.num_attention_heads or 8
     inter = dcfg.intermediate_size or 17408 if H == 5120 else 256
     ids = tuple(dcfg.target_layer_ids or ())
     shape = TargetShape(L, H, V, inter, heads_n, 8, torch.bfloat16, V - 250, ids)
     spec = resolve_spec(dcfg, shape)
-    drafter = DFlashDrafter(spec)
+    drafter = build_model(spec)
     drafter.init_weights(0.02)
     tdtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     embed = torch.nn.Embedding(V, H).to(dev, tdtype).requires_grad_(False)
@@ -106,6 +111,7 @@ def main() -> None:
     s = med[modes[-1]]
     res = {
         "shape": args.shape,
+        "variant": args.variant,
         "drafter_params_M": num_params(drafter) / 1e6,
         "seq": T,
         "anchors": args.anchors,

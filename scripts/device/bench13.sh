@@ -9,6 +9,7 @@
 #   WHAT=regen_prof bash scripts/device/bench13.sh  (regeneration at the recipe's shape, profiled)
 #   WHAT=regen_fuse bash scripts/device/bench13.sh  (data.regen_fuse vs plain, batch 512 and 1024)
 #   WHAT="qwen05 qwen05_dflash2" bash scripts/device/bench13.sh  (DFlash2's step: fused vs plain head)
+#   WHAT="drafter27b drafter27b_dflash2" bash scripts/device/bench13.sh  (the 27B drafter step, both)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
 mkdir -p "$OUT"
@@ -38,6 +39,10 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
         --cudagraph-ab --out "$OUT/loop_$w.json" ;;
     drafter27b) timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
       --anchors 512 --compile --fuse --label-sampling both --out "$OUT/step_27b.json" ;;
+    drafter27b_dflash2)  # the same 27B drafter step as DFlash2 (the drafter yaml's selector)
+      timeout 240 python3 benchmarks/bench_train_step.py --shape qwen3_6_27b --seq 3072 \
+        --anchors 512 --compile --fuse --label-sampling by_weight --variant dflash2 \
+        --out "$OUT/step_27b_dflash2.json" ;;
     worker27b)  # carry .fla too (fla wheels): eager (fla conv1d, and the torch one) vs compile_gdn=mlp|layer
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .fla/*.whl
       timeout 420 python3 benchmarks/bench_target.py --target qwen3_6_27b_random --backend fla \
