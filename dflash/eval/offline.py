@@ -71,7 +71,6 @@ def draft_all_anchors(
         h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
         logits = drafter.logits(h, heads.lm_head.weight, heads.bias)
-        logp = torch.log_softmax(logits, -1)
         draft = drafter.propose(h, logits, ids[0, anchors[0]])[0]
         drafts.append(draft.cpu())
         if sampling is not None:
@@ -80,6 +79,7 @@ def draft_all_anchors(
         if scored is not None:  # DFlash2: the selector's conditional rows
             lps.append(TreeRows.from_scores(*scored))
         elif top_k > 0:
+            logp = torch.log_softmax(logits, -1)
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
             tids.append(i.cpu())
