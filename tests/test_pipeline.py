@@ -110,7 +110,11 @@ def run_job(
         *overrides,
     ]
     logs = root / "logs" / run_name
-    e = dict(ENV, **(env or {}))
+    # "{run_dir}" in an env value: this job's run directory
+    e = {
+        k: v.replace("{run_dir}", str(out_root / run_name))
+        for k, v in dict(ENV, **(env or {})).items()
+    }
     if nproc == 0:
         logs.mkdir(parents=True)
         with open(logs / "rank0.out", "w") as o, open(logs / "rank0.err", "w") as r:
@@ -164,8 +168,11 @@ def split_ref(root):
 
 @pytest.fixture(scope="module")
 def killed(root):
-    """Same run, but worker rank 0 is SIGKILLed when it produces step 4 (0-based)."""
-    return run_job(root, "split-killed", 3, SPLIT_1W2T, env={"DFLASH_FAULT": "die@0:4"})
+    """Same run, but worker rank 0 is SIGKILLed when it produces step 4 (0-based), once the
+    trainers' first checkpoint is on disk (under load the worker, a few batches ahead, could
+    otherwise reach step 4 before they saved step 2: CI, 2026-12-05)."""
+    env = {"DFLASH_FAULT": "die@0:4", "DFLASH_FAULT_AFTER": "{run_dir}/checkpoints/latest"}
+    return run_job(root, "split-killed", 3, SPLIT_1W2T, env=env)
 
 
 # ----------------------------------------------------------------------------- unit tests

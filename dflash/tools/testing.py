@@ -239,10 +239,14 @@ def wait_all(procs: Sequence[subprocess.Popen], timeout_s: float) -> list[int | 
 class Fault:
     """DFLASH_FAULT="kind@rank:step[,...]" makes worker `rank` die (SIGKILL), hang, stop
     (SIGSTOP) or put NaN into one sample's aux states when it produces a micro-batch of `step`;
-    trainer `rank` die, hang or stop when it receives one."""
+    trainer `rank` die, hang or stop when it receives one. DFLASH_FAULT_AFTER=PATH: the fault
+    first waits (up to 120 s) for PATH to exist, e.g. the trainers' first checkpoint: a worker
+    runs several batches ahead of the trainers (the link's window and their prefetch), so on a
+    loaded machine it could reach `step` before they had saved anything."""
 
     kind: str
     step: int
+    after: str | None = None
 
     @staticmethod
     def for_rank(rank: int) -> Fault | None:
@@ -250,12 +254,15 @@ class Fault:
             kind, where = item.split("@")
             r, step = where.split(":")
             if int(r) == rank:
-                return Fault(kind, int(step))
+                return Fault(kind, int(step), os.environ.get("DFLASH_FAULT_AFTER") or None)
         return None
 
     def apply(self, tb: TargetBatch, step: int) -> TargetBatch:
         if step != self.step:
             return tb
+        deadline = time.monotonic() + 120
+        while self.after and not os.path.exists(self.after) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.kind == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "hang":
