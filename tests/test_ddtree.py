@@ -291,7 +291,8 @@ def _cond_prefixes(lp_DKK, cand_DK):
 def test_cond_tree_equals_brute_force_top_b_for_every_budget(D, K, seed):
     """build_cond_tree = the b best prefixes under prod q(u_t | u_{t-1}), in key order; and
     cond_accept_many = the deepest greedy prefix inside that set, for every budget."""
-    from dflash.decoding.ddtree import build_cond_tree, cond_accept_many
+    from dflash.decoding.ddtree import build_cond_tree
+    from dflash.eval.ddtree import cond_accept_many
 
     rows, lp, cand = _cond_rows(3, D, K, seed)
     for a in range(3):

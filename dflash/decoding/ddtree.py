@@ -45,7 +45,6 @@ __all__ = [
     "TreeRows",
     "build_ddtree",
     "build_cond_tree",
-    "cond_accept_many",
     "sorted_topk",
     "heap_rows",
 ]
@@ -305,40 +304,6 @@ def _cond_tree_nodes(lp, order, budget: int) -> list[tuple[int, int, int, float]
     return nodes
 
 
-def _cond_greedy_pop_ranks(lp, order, path_c: list[int], max_pops: int) -> list[int]:
-    """1-based pop ranks of the greedy prefixes p_1, p_2, ... (``path_c[d-1]``: the candidate
-    index of the greedy token at depth d) that pop within ``max_pops``; as
-    ``dflash.eval.ddtree._greedy_pop_ranks`` with each node's children read from its own row."""
-    m = len(path_c)
-    if m == 0 or max_pops <= 0:
-        return []
-    D, K = len(lp), len(lp[0][0])
-    out: list[int] = []
-    pops = 0
-    heap = [(-lp[0][0][0], 1, 0, 0, 0.0, True, 0)]  # payload: parent on the greedy path
-    heappush, heapreplace, heappop = heapq.heappush, heapq.heapreplace, heapq.heappop
-    while heap:
-        neg, d, code, r, pneg, parent_on, pc = heap[0]
-        c = order[d - 1][pc][r]
-        pops += 1
-        on = parent_on and d <= m and path_c[d - 1] == c
-        if on:
-            out.append(pops)
-            if len(out) == m:
-                break
-        if pops >= max_pops:
-            break
-        if r + 1 < K:
-            heapreplace(
-                heap, (pneg - lp[d - 1][pc][r + 1], d, code + 1, r + 1, pneg, parent_on, pc)
-            )
-        else:
-            heappop(heap)
-        if d < D:
-            heappush(heap, (neg - lp[d][c][0], d + 1, code * K, 0, neg, on, c))
-    return out
-
-
 def build_cond_tree(rows: TreeRows, budget: int) -> DDTree:
     """The best tree of ``budget`` nodes of one anchor's conditional rows (``rows`` of n = 1)."""
     if budget < 0:
@@ -353,30 +318,3 @@ def build_cond_tree(rows: TreeRows, budget: int) -> DDTree:
     logprobs = torch.tensor([n[3] for n in nodes], dtype=torch.float64)
     tokens = rows.cand[0][depths - 1, cands]
     return DDTree(tokens, parents, depths, logprobs, _ancestor_mask(parents, D))
-
-
-def cond_accept_many(rows: TreeRows, target_tokens_nD: Tensor, budgets) -> Tensor:
-    """Accepted depth at T=0 of each anchor's best conditional tree, per budget -> [n, len(budgets)]
-    (as ``dflash.eval.ddtree.ddtree_accept_many``; a negative target token marks an unavailable
-    position)."""
-    budgets = [int(b) for b in budgets]
-    n, D = rows.cand.shape[:2]
-    out = torch.zeros(n, len(budgets), dtype=torch.long)
-    if n == 0 or D == 0 or not budgets or max(budgets) <= 0:
-        return out
-    tgt = torch.as_tensor(target_tokens_nD).to("cpu", torch.long)[:, :D]
-    if tgt.shape[1] < D:
-        tgt = torch.cat([tgt, tgt.new_full((n, D - tgt.shape[1]), -1)], 1)
-    match = (rows.cand == tgt[..., None]) & (tgt >= 0)[..., None]
-    cidx = torch.where(match.any(-1), match.to(torch.uint8).argmax(-1), -1).tolist()
-    bmax = max(budgets)
-    for a in range(n):
-        path = cidx[a]
-        if -1 in path:
-            path = path[: path.index(-1)]
-        if not path:
-            continue
-        lp, order = rows.logprobs[a].tolist(), rows.order[a].tolist()
-        pops = _cond_greedy_pop_ranks(lp, order, path, bmax)
-        out[a] = torch.tensor([sum(1 for p in pops if p <= b) for b in budgets])
-    return out

@@ -195,13 +195,10 @@ class DrafterState:
         """The draft tree of `budget` nodes for the block anchored at `start`, by the drafter's
         own rule: DDTree over the per-position distributions (DFlash), over the selector's
         conditional rows (DFlash2: `tree_scores`)."""
-        h = self.draft_hidden(start, bonus)
-        logits = self._logits(h)
-        scored = self.drafter.tree_scores(
-            h[None], logits[None], torch.tensor([bonus], device=h.device)
-        )
+        h, logits, anchor = self._block(start, bonus)
+        scored = self.drafter.tree_scores(h, logits, anchor)
         if scored is None:
-            return build_ddtree(torch.log_softmax(logits, -1), budget)
+            return build_ddtree(torch.log_softmax(logits[0], -1), budget)
         return build_cond_tree(TreeRows.from_scores(*scored), budget)
 
     @torch.no_grad()
@@ -209,11 +206,14 @@ class DrafterState:
         """The drafted tokens [D] of the block anchored at `start` by the drafter's own rule
         (`propose`: DFlash each position's argmax, DFlash2 the selector's path) and, when
         sampling, the proposal q [D, V] they were drawn from."""
-        h = self.draft_hidden(start, bonus)
-        logits = self._logits(h)
-        anchor = torch.tensor([bonus], device=h.device)
-        tokens, q = self.drafter.propose(h[None], logits[None], anchor, sampling, generator)
+        tokens, q = self.drafter.propose(*self._block(start, bonus), sampling, generator)
         return tokens[0], None if q is None else q[0]
+
+    def _block(self, start: int, bonus: int):
+        """(hidden [1, D, H], logits [1, D, V], anchor [1]) of the block anchored at `start`:
+        the inputs of the drafter's rules (`propose`, `tree_scores`)."""
+        h = self.draft_hidden(start, bonus)
+        return h[None], self._logits(h)[None], torch.tensor([bonus], device=h.device)
 
 
 def leading_matches(draft: torch.Tensor, tgt: torch.Tensor) -> int:

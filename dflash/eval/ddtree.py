@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..decoding.ddtree import heap_rows, sorted_topk
+from ..decoding.ddtree import TreeRows, heap_rows, sorted_topk
 
 
 def _check_budgets(budgets: Sequence[int]) -> list[int]:
@@ -176,4 +176,56 @@ def ddtree_accept_many(
             if path:
                 pops = _greedy_pop_ranks(lp_rows, path, bmax)
                 out[s + n] = torch.tensor(_accepted_per_budget(pops, budgets))
+    return out
+
+
+def _cond_greedy_pop_ranks(lp, order, path_c: list[int], max_pops: int) -> list[int]:
+    """1-based pop ranks of the greedy prefixes p_1, p_2, ... (``path_c[d-1]``: the candidate
+    index of the greedy token at depth d) that pop within ``max_pops``; as
+    ``_greedy_pop_ranks`` with each node's children read from its own row."""
+    m = len(path_c)
+    if m == 0 or max_pops <= 0:
+        return []
+    D, K = len(lp), len(lp[0][0])
+    out: list[int] = []
+    pops = 0
+    heap = [(-lp[0][0][0], 1, 0, 0, 0.0, True, 0)]  # payload: parent on the greedy path
+    heappush, heapreplace, heappop = heapq.heappush, heapq.heapreplace, heapq.heappop
+    while heap:
+        neg, d, code, r, pneg, parent_on, pc = heap[0]
+        c = order[d - 1][pc][r]
+        pops += 1
+        on = parent_on and d <= m and path_c[d - 1] == c
+        if on:
+            out.append(pops)
+            if len(out) == m:
+                break
+        if pops >= max_pops:
+            break
+        if r + 1 < K:
+            heapreplace(
+                heap, (pneg - lp[d - 1][pc][r + 1], d, code + 1, r + 1, pneg, parent_on, pc)
+            )
+        else:
+            heappop(heap)
+        if d < D:
+            heappush(heap, (neg - lp[d][c][0], d + 1, code * K, 0, neg, on, c))
+    return out
+
+
+def cond_accept_many(rows: TreeRows, target_tokens_nD: Tensor, budgets: Sequence[int]) -> Tensor:
+    """``ddtree_accept_many`` for a drafter whose positions depend on the token before
+    (dflash.decoding.ddtree.TreeRows: DFlash2's selector) -> LongTensor [n, len(budgets)]."""
+    budgets = _check_budgets(budgets)
+    n, D = rows.cand.shape[:2]
+    out = torch.zeros(n, len(budgets), dtype=torch.long)
+    if n == 0 or D == 0 or not budgets or max(budgets) == 0:
+        return out
+    ranks = _greedy_ranks(rows.cand, torch.as_tensor(target_tokens_nD)).tolist()
+    for a, r in enumerate(ranks):
+        path = _path_prefix(r)
+        if path:
+            lp, order = rows.logprobs[a].tolist(), rows.order[a].tolist()
+            pops = _cond_greedy_pop_ranks(lp, order, path, max(budgets))
+            out[a] = torch.tensor(_accepted_per_budget(pops, budgets))
     return out

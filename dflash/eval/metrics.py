@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..decoding.ddtree import cond_accept_many
-from .ddtree import ddtree_accept_many
+from .ddtree import cond_accept_many, ddtree_accept_many
 
 __all__ = [
     "ChainWalk",
