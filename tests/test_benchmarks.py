@@ -137,3 +137,32 @@ def test_bench_regen_reports_agreement_and_profiles_the_decode(tmp_path):
     assert summary["what"] == "static decode, 4 tokens" and summary["wall_ms_per_step"] > 0
     fused = tmp_path / "prof_fused" / "summary.json"
     assert json.loads(fused.read_text().split("\n")[0])["what"] == "static decode, fused, 4 tokens"
+
+
+def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    conv = [
+        {"from": "human", "value": "Tell me about the number {i}."},
+        {"from": "gpt", "value": "The number {i} is a number I did not write."},
+    ]
+    rows.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": str(i),
+                    "conversations": [{**t, "value": t["value"].format(i=i)} for t in conv],
+                }
+            )
+            + "\n"
+            for i in range(6)
+        )
+    )
+    res = run_bench(
+        "check_given_answers",
+        ["--target", "tiny_llama", "--rows", str(rows), "--n", "6", "--response-len", "8"]
+        + ["--batch", "6"],
+        tmp_path,
+    )
+    assert res["conversations"] == 6 and res["regenerated_agreement"] == 1.0
+    assert res["their_own_answers_given_agreement"] < 0.5
+    assert res["regenerated_text_given_tokens"] == res["regenerated_tokens"]

@@ -206,10 +206,11 @@ CONVS = [
 ]
 
 
-def _reference_samples(target, convs, response_len, max_turns=None):
+def _reference_samples(target, convs, response_len, max_turns=None, answer=None):
     """An independent turn-by-turn loop: the byte template's text written out by hand, one
     conversation and one turn at a time, each answer generated (batch 1) after the target's
-    own earlier answers."""
+    own earlier answers (or answer(conversation, turn), when given: its token ids; None ends the
+    conversation)."""
     tok = target.tokenizer
     think = "<think>\n\n</think>\n\n"  # enable_thinking=false on the tiny template
     out = []
@@ -227,14 +228,18 @@ def _reference_samples(target, convs, response_len, max_turns=None):
             f"<|im_start|>system\n{m['content']}<|im_end|>\n" for m in msgs if m["role"] == "system"
         )
         ids, mask = [], []
-        for m in [m for m in msgs if m["role"] == "user"][:max_turns]:
+        for k, m in enumerate([m for m in msgs if m["role"] == "user"][:max_turns]):
+            a = None if answer is None else answer(conv, k)
+            if answer is not None and a is None:
+                break
             if ids:  # the end of the previous answer's turn (its EOS when it generated one)
                 text = ("" if ids[-1] == tok.eos_token_id else "<|im_end|>") + "\n"
             text += f"<|im_start|>user\n{m['content']}<|im_end|>\n<|im_start|>assistant\n{think}"
             new = tok(text, add_special_tokens=False)["input_ids"]
             ids, mask = ids + new, mask + [False] * len(new)
-            (answer,) = generate_greedy(target, [ids], response_len, batch_size=1)
-            ids, mask, text = ids + answer, mask + [True] * len(answer), ""
+            if a is None:
+                (a,) = generate_greedy(target, [ids], response_len, batch_size=1)
+            ids, mask, text = ids + a, mask + [True] * len(a), ""
         out.append((ids, mask))
     return out
 
@@ -280,6 +285,107 @@ def test_all_turns_are_the_targets_own_answers_after_its_own_earlier_ones(tmp_pa
         replace(dc, max_turns=0).validate()
 
 
+GIVEN = [
+    {  # both user turns answered by the row: its answers are the samples' answers
+        "id": "a",
+        "conversations": [
+            {"from": "system", "value": "You are terse."},
+            {"from": "human", "value": "What is 2+2?"},
+            {"from": "gpt", "value": "Four."},
+            {"from": "human", "value": "And 3+3?"},
+            {"from": "gpt", "value": "Six, as 3 and 3 make " + "six " * 10},  # past response_len
+        ],
+    },
+    {"id": "b", "messages": [{"role": "user", "content": "Name a colour."}]},  # regenerated
+    {
+        "id": "c",  # the second user turn has no answer: the sample ends after the first
+        "messages": [
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "Because."},
+            {"role": "user", "content": "OK"},
+        ],
+    },
+]
+
+
+def _given_answer(target, response_len):
+    """The reference's given answers: the row's answer to user turn k as the text's tokens, then
+    EOS, cut at response_len; None where the row has none (conversation c's second turn); b has
+    none at all, so the reference regenerates it."""
+    tok = target.tokenizer
+
+    def answer(conv, k):
+        if conv["id"] == "b":
+            return None if k else generate_greedy(target, [_B_PROMPT], response_len, 1)[0]
+        turns = conv.get("conversations", conv.get("messages"))
+        texts = [t.get("value", t.get("content")) for t in turns]
+        roles = [t.get("from", t.get("role")) for t in turns]
+        users = [i for i, r in enumerate(roles) if r in ("human", "user")]
+        after = [
+            i + 1 for i in users if i + 1 < len(turns) and roles[i + 1] in ("gpt", "assistant")
+        ]
+        if k >= len(after) or after[k] != users[k] + 1:
+            return None
+        ids = tok(texts[after[k]], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return ids[:response_len]
+
+    return answer
+
+
+_B_PROMPT = None  # conversation b's prompt, set by the test (the one turn the target answers)
+
+
+def test_given_answers_are_the_rows_own_in_the_served_template(tmp_path, tiny_llama, monkeypatch):
+    """data.answers=given: each conversation's own assistant turns are its answers, placed
+    exactly where the target's would be (the same template, glue and EOS handling), cut at
+    data.response_len like a regenerated answer; its turns end at the first user turn without
+    an answer; a conversation without any is regenerated, and only it reaches the target."""
+    import dflash.data.dataset as dataset
+
+    global _B_PROMPT
+    f = _jsonl(tmp_path / "g.jsonl", GIVEN)
+    dc = _cfg([f], num_samples=10, response_len=12, max_length=400, answers="given")
+    tc = target_cfg("tiny_llama")
+    reached = []
+
+    def counted(target, prompts, *a, **kw):
+        reached.append([list(p) for p in prompts])
+        return generate_greedy(target, prompts, *a, **kw)
+
+    monkeypatch.setattr(dataset, "generate_greedy", counted)
+    logs = []
+    samples = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path / "cache"), log=logs.append)
+    assert len(reached) == 1 and len(reached[0]) == 1  # only b's one turn was generated
+    _B_PROMPT = reached[0][0]
+    ref = _reference_samples(tiny_llama, GIVEN, 12, answer=_given_answer(tiny_llama, 12))
+    assert [s.input_ids.tolist() for s in samples] == [r[0] for r in ref]
+    assert [s.loss_mask.tolist() for s in samples] == [r[1] for r in ref]
+    text = tiny_llama.tokenizer.decode(samples[0].input_ids[samples[0].loss_mask])
+    assert text.startswith("Four.<|im_end|>Six, as 3 a")  # the second cut at 12 tokens, no EOS
+    assert int(samples[2].loss_mask.sum()) == len("Because.") + 1
+    assert any("2 of 3 conversations answered by their rows' own" in m for m in logs), logs
+    assert any("given_answers 2" in m and "turns_without_given_answer 1" in m for m in logs), logs
+    # a cache of its own: the same rows regenerated are other samples
+    path = dataset_path(dc, tc, str(tmp_path / "cache"))
+    assert dataset_path(replace(dc, answers="regenerate"), tc, str(tmp_path / "cache")) != path
+    # the rows' answers are text the tiny target would not write: a teacher-forced forward
+    # disagrees with most of it, the regenerated answer of b agrees with all of it
+    tb = target_forward(tiny_llama, collate(samples))
+    hits, total = tb.greedy_agreement().tolist()
+    assert total == sum(int(s.loss_mask.sum()) for s in samples)
+    b = target_forward(tiny_llama, collate(samples[1:2])).greedy_agreement().tolist()
+    assert b[0] == b[1] and hits < 0.5 * total
+
+
+def test_given_answers_need_rows_that_can_hold_them():
+    with pytest.raises(ValueError, match="data.source=stdlib has no answers"):
+        DataConfig(source="stdlib", answers="given").validate()
+    with pytest.raises(ValueError, match="data.regen_temperature=0.7 asks for sampled"):
+        DataConfig(source="jsonl", paths=["x"], answers="given", regen_temperature=0.7).validate()
+    with pytest.raises(ValueError, match="data.answers='vllm' is not allowed"):
+        DataConfig(source="jsonl", paths=["x"], answers="vllm").validate()
+
+
 def _fake_tp(first, glues):
     """TurnPrompts with the given first prompts and per-conversation glue rows."""
     glue = TokenTable([g for gs in glues for g in gs])
@@ -300,9 +406,10 @@ def test_turns_end_at_the_last_answer_that_fits_and_eos_is_not_doubled():
     answers = {0: [[10, 11, EOS], [12, 13], [14, 15, 16, 17]], 1: [[20, 21, 22, 23, EOS]]}
     calls = []
 
-    def generate(prompts, k):
+    def generate(prompts, k, convs):
         calls.append([list(p) for p in prompts])
-        return [answers[c][k] for c in ([0, 1] if k == 0 else [0])]
+        assert convs == ([0, 1] if k == 0 else [0])
+        return [answers[c][k] for c in convs]
 
     seqs, spans, reached, stats = run_turns(tp, generate, max_length=14, eos=EOS)
     # turn 2's prompt: answer 1 (with its EOS), then the glue without a second EOS

@@ -166,9 +166,11 @@ def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias):
     (l1, c1, g1, s1), (l2, c2, g2, s2) = out
     assert torch.allclose(l1, l2, rtol=1e-6)  # the fused stats sum in float32
     assert torch.allclose(c1, c2)
-    assert g2.shape == (M, H) and torch.allclose(g1, g2, rtol=1e-5, atol=1e-6)
+    # the fused CE stats run in float32 (logits of ~20 here): ~1e-6 off where the gradient is
+    # near 0, by the CPU's float32 exp (1.5e-6 seen on one machine, under 1e-6 on another)
+    assert g2.shape == (M, H) and torch.allclose(g1, g2, rtol=1e-5, atol=1e-5)
     for n in s1:
-        assert torch.allclose(s1[n], s2[n], rtol=1e-5, atol=1e-6), n
+        assert torch.allclose(s1[n], s2[n], rtol=1e-5, atol=1e-5), n
     if M > 1:  # the selection term is there and sends gradient to the selector
         assert all(s1[n].abs().sum() > 0 for n in s1)
 

@@ -11,6 +11,7 @@ DATA_SOURCES = ("selfgen", "jsonl", "parquet", "hf", "stdlib", "humaneval", "mix
 FILE_SOURCES = ("jsonl", "parquet", "hf")  # rows read from data.paths
 FORMATS = ("auto", "sharegpt", "openai", "prompt")
 TURNS = ("all", "first", "last")
+ANSWERS = ("regenerate", "given")
 
 
 @dataclass
@@ -46,6 +47,12 @@ class DataConfig:
     # turns=all: answer at most this many user turns of a conversation (null: every one that fits
     # data.max_length); the later turns' rounds are small batches that each pay a whole decode
     max_turns: int | None = None
+    # regenerate: the target answers every user turn itself | given: the rows' own assistant
+    # turns are the answers, for data the target already answered elsewhere (vLLM, SGLang: same
+    # chat template, greedy); a row without them (a bare prompt, a stdlib stub, a conversation
+    # whose first user turn has no answer) is regenerated. train/greedy_agreement says how many
+    # response tokens are the target's own greedy tokens (docs/data.md)
+    answers: str = "regenerate"
     # data.source=mix: named sources and their weights (shares of data.num_samples), e.g.
     # [{name: sharegpt, weight: 0.7, source: jsonl, paths: [...]}, {name: code, weight: 0.3, source: stdlib}]
     mix: list[MixSourceConfig] = field(default_factory=list)
@@ -83,6 +90,19 @@ class DataConfig:
         check_choice("data.too_long", self.too_long, ("truncate", "drop"))
         check_choice("data.format", self.format, FORMATS)
         check_choice("data.turns", self.turns, TURNS)
+        check_choice("data.answers", self.answers, ANSWERS)
+        if self.answers == "given" and self.source in ("selfgen", "stdlib", "humaneval"):
+            raise ValueError(
+                f"data.answers=given takes the answers from the rows of data.paths, and "
+                f"data.source={self.source} has no answers: use data.source=jsonl|parquet|hf|mix "
+                "or data.answers=regenerate"
+            )
+        if self.answers == "given" and self.regen_temperature > 0:
+            raise ValueError(
+                "data.answers=given stands for the target's greedy answers; "
+                f"data.regen_temperature={self.regen_temperature} asks for sampled ones: set "
+                "data.regen_temperature=0 or data.answers=regenerate"
+            )
         if self.source in FILE_SOURCES and not self.paths:
             raise ValueError(
                 f"data.paths is empty for data.source={self.source}: set "

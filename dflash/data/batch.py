@@ -91,6 +91,16 @@ class TargetBatch(TokenBatch):
     def num_tokens(self) -> int:
         return int((self.host_tokens().segment_ids_NT >= 0).sum())
 
+    def greedy_agreement(self) -> torch.Tensor:
+        """[response tokens that are the target's greedy token after the tokens before them,
+        response tokens], float, on the batch's device (no host sync). 1 : 1 for answers the
+        target regenerated, up to near-ties of the capture's numerics; less for text it did not
+        write (data.answers=given with another model's or template's answers)."""
+        seg, resp = self.segment_ids_NT, self.loss_mask_NT[:, 1:]
+        resp = resp & (seg[:, 1:] == seg[:, :-1])
+        hit = (self.next_token_NT[:, :-1] == self.input_ids_NT[:, 1:]) & resp
+        return torch.stack([hit.sum(), resp.sum()]).float()
+
 
 def collate(
     samples: list[Sample],

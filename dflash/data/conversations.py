@@ -65,6 +65,26 @@ class Conversation:
             self.messages[users[0]]
         ]
 
+    def answers(self, turns: str) -> list[str]:
+        """data.answers=given: the row's own answers to the user turns the target would answer
+        (all: each user turn in order, up to the first one without an answer; first / last: that
+        user turn's), each the first assistant message after its user turn. [] for a bare prompt
+        or when the first of those user turns has no answer."""
+        if self.plain:
+            return []
+        users = self.user_indices()
+        asked = users[:1] if turns == "first" else users[-1:] if turns == "last" else users
+        out = []
+        for u in asked:
+            end = next((i for i in users if i > u), len(self.messages))
+            a = next(
+                (m["content"] for m in self.messages[u + 1 : end] if m["role"] == "assistant"), ""
+            )
+            if not a.strip():
+                break
+            out.append(a)
+        return out
+
     def skeleton(self) -> list[dict]:
         """turns=all: system and user messages in order, the dataset's answers left out (the
         target answers each user turn itself)."""

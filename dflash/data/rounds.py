@@ -17,7 +17,8 @@ from .turns import TurnPrompts, encode_turns
 
 
 def run_turns(tp: TurnPrompts, generate, max_length: int, eos: int | None):
-    """generate(prompts, k) -> one answer per prompt (None: not reached in time).
+    """generate(prompts, k, convs) -> one answer per prompt (None: not reached in time); convs:
+    the conversations the prompts belong to.
     Returns (seqs, spans, reached, stats): per conversation its tokens, the [start, stop) of
     each answer in them, and whether its first turn was reached."""
     C = len(tp)
@@ -27,7 +28,7 @@ def run_turns(tp: TurnPrompts, generate, max_length: int, eos: int | None):
     stats = {"turns_cut_at_max_length": 0, "turns_not_reached_in_time": 0}
     active, prompts, k = list(range(C)), tp.first, 0
     while active:
-        answers = generate(prompts, k)
+        answers = generate(prompts, k, active)
         nxt, nxt_prompts = [], []
         for c, p, a in zip(active, prompts, answers):
             left = tp.num_turns(c) - k  # turns of c from this one on
@@ -110,7 +111,15 @@ def turn_prompts(dcfg: DataConfig, tcfg: TargetConfig, target, log=print) -> Tur
 
     convs, sources = training_conversations(dcfg, log)
     return encode_turns(
-        convs, target.tokenizer, tcfg, dcfg.turns, dcfg.max_length, sources, dcfg.max_turns
+        convs,
+        target.tokenizer,
+        tcfg,
+        dcfg.turns,
+        dcfg.max_length,
+        sources,
+        dcfg.max_turns,
+        dcfg.answers,
+        dcfg.response_len,
     )
 
 
@@ -125,7 +134,20 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
     limit = None if dcfg.regen_time_limit_min is None else 60 * dcfg.regen_time_limit_min
     t0 = time.monotonic()  # the whole regeneration's clock (each round also keeps its own)
 
-    def generate(prompts, k):
+    def generate(prompts, k, convs):
+        """The rows' own answers where data.answers=given found them, the target's for the rest."""
+        out = [tp.answer_of(c, k) if tp.given(c) else None for c in convs]
+        mine = [j for j, c in enumerate(convs) if not tp.given(c)]
+        if not mine:
+            return out
+        if len(mine) < len(convs):
+            take = getattr(prompts, "take", None)  # a TokenTable stays flat
+            prompts = take(mine) if take else [prompts[j] for j in mine]
+        for j, a in zip(mine, regenerate(prompts, k)):
+            out[j] = a
+        return out
+
+    def regenerate(prompts, k):
         left = None if limit is None else max(limit - (time.monotonic() - t0), 0.0)
         return generate_greedy(
             target,
@@ -151,12 +173,14 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
     rounds = turn_stats.pop("rounds")
     samples, stats = dialogue_samples(tp, seqs, spans, reached, dcfg.max_length, dcfg.too_long)
     stats["prompt_too_long"] = tp.stats.get("prompt_too_long", 0)
+    if given := sum(tp.given(c) for c in range(len(tp)) if reached[c]):
+        stats["given_answers"] = given  # conversations answered by their rows (data.answers)
     if not all(reached):
         stats["not_reached_in_time"] = reached.count(False)
     if tp.stats.get("turns", len(tp)) > len(tp):  # conversations with several user turns
         stats["answers"] = sum(len(s) for s in spans)
         stats.update({k: v for k, v in turn_stats.items() if v})
-        for key in ("turns_past_max_length", "turns_past_max_turns"):
+        for key in ("turns_past_max_length", "turns_past_max_turns", "turns_without_given_answer"):
             if tp.stats.get(key):
                 stats[key] = tp.stats[key]
     return samples, stats, [partial_path(path, k) for k in range(max(rounds, 1))]

@@ -30,13 +30,17 @@ CHUNK = 1024  # conversations encoded per batched template / tokenizer call
 class TurnPrompts:
     """C conversations: first prompts [C], glue rows of every conversation in order, and where
     each conversation's glue rows start ([C + 1]: conversation c has glue rows
-    glue_start[c]..glue_start[c+1], one per user turn after the first)."""
+    glue_start[c]..glue_start[c+1], one per user turn after the first). Under data.answers=given
+    the rows' own answers, as token ids, likewise (answer_start [C + 1]; a conversation without
+    any is regenerated)."""
 
     first: TokenTable
     glue: TokenTable = field(default_factory=TokenTable)
     glue_start: np.ndarray | None = None
     sources: np.ndarray | None = None  # data.mix source of each conversation
     stats: dict = field(default_factory=dict)
+    answers: TokenTable = field(default_factory=TokenTable)
+    answer_start: np.ndarray | None = None
 
     def __post_init__(self):
         n = len(self.first)
@@ -44,6 +48,16 @@ class TurnPrompts:
             self.glue_start = np.zeros(n + 1, dtype=np.int64)
         if self.sources is None:
             self.sources = np.zeros(n, dtype=np.int64)
+        if self.answer_start is None:
+            self.answer_start = np.zeros(n + 1, dtype=np.int64)
+
+    def given(self, c: int) -> bool:
+        """Whether conversation c's answers are its row's own (data.answers=given)."""
+        return bool(self.answer_start[c + 1] > self.answer_start[c])
+
+    def answer_of(self, c: int, k: int) -> list[int]:
+        """The row's own answer k (0-based) of conversation c, as the target's tokens would be."""
+        return self.answers[int(self.answer_start[c]) + k]
 
     def __len__(self) -> int:
         return len(self.first)
@@ -64,19 +78,27 @@ def encode_turns(
     max_length: int,
     sources: Iterable[int] | None = None,
     max_turns: int | None = None,
+    answers: str = "regenerate",
+    response_len: int | None = None,
 ) -> TurnPrompts:
     """Token ids of the conversations' turns, a chunk at a time. A conversation whose first
     prompt leaves no room for an answer within max_length is left out (counted); later turns are
     encoded while the prompts so far leave room (the answers' lengths are not known yet), up to
-    max_turns user turns (None: all; the rest counted)."""
-    first, glue = TokenTable(), TokenTable()
-    starts, srcs = [0], []
+    max_turns user turns (None: all; the rest counted).
+
+    answers="given": a conversation's own answers (`Conversation.answers`) become token ids as
+    the target would have generated them (the text's tokens, then EOS; cut at response_len like
+    a regenerated answer), and its turns end at the first user turn without one (counted)."""
+    first, glue, given = TokenTable(), TokenTable(), TokenTable()
+    starts, srcs, given_starts = [0], [], [0]
     stats = {
         "prompt_too_long": 0,
         "turns": 0,
         "turns_past_max_length": 0,
         "turns_past_max_turns": 0,
     }
+    if answers == "given":
+        stats["turns_without_given_answer"] = 0
     src_iter = iter(sources) if sources is not None else None
     chunk: list = []
 
@@ -85,16 +107,25 @@ def encode_turns(
         keep = [j for j, p in enumerate(ids) if len(p) < max_length]
         stats["prompt_too_long"] += len(chunk) - len(keep)
         kept = [chunk[j][0] for j in keep]
-        glues = _glues(kept, [ids[j] for j in keep], tokenizer, tcfg, max_length, turns, max_turns)
+        texts = [c.answers(turns) if answers == "given" else [] for c in kept]
+        caps = [len(t) or None for t in texts]  # given answers end the turns they reach
+        glues = _glues(
+            kept, [ids[j] for j in keep], tokenizer, tcfg, max_length, turns, max_turns, caps
+        )
         first.extend([ids[j] for j in keep])
         glue.extend([row for g in glues for row in g])  # one part per chunk
-        for c, g in zip(kept, glues):
+        given.extend(_answer_ids(texts, glues, tokenizer, response_len))
+        for c, g, t in zip(kept, glues, texts):
             starts.append(starts[-1] + len(g))
+            given_starts.append(given_starts[-1] + (1 + len(g) if t else 0))
             users = len(c.user_indices()) if turns == "all" and not c.plain else 1
             capped = min(users, max_turns) if max_turns else users
+            stats["turns_past_max_turns"] += users - capped
+            if t and len(t) < capped:
+                stats["turns_without_given_answer"] += capped - len(t)
+                capped = len(t)
             stats["turns"] += 1 + len(g)
             stats["turns_past_max_length"] += capped - 1 - len(g)
-            stats["turns_past_max_turns"] += users - capped
         srcs.extend(chunk[j][1] for j in keep)
         chunk.clear()
 
@@ -105,20 +136,48 @@ def encode_turns(
     if chunk:
         flush()
     return TurnPrompts(
-        first, glue, np.array(starts, dtype=np.int64), np.array(srcs, dtype=np.int64), stats
+        first,
+        glue,
+        np.array(starts, dtype=np.int64),
+        np.array(srcs, dtype=np.int64),
+        stats,
+        given,
+        np.array(given_starts, dtype=np.int64),
     )
 
 
+def _answer_ids(texts, glues, tokenizer, response_len: int | None) -> list[list[int]]:
+    """The given answers of every conversation of a chunk that has them (one per turn it
+    keeps), as a regeneration would have returned them: the text's tokens and EOS, at most
+    response_len tokens (a longer answer is cut as the regeneration's cap cuts it, without EOS)."""
+    flat = [a for t, g in zip(texts, glues) if t for a in t[: 1 + len(g)]]
+    if not flat:
+        return []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids = tokenizer(flat, add_special_tokens=False)["input_ids"]
+    return [(list(a) + eos)[:response_len] for a in ids]
+
+
 def _glues(
-    convs, firsts, tokenizer, tcfg: TargetConfig, max_length: int, turns: str, max_turns=None
+    convs,
+    firsts,
+    tokenizer,
+    tcfg: TargetConfig,
+    max_length: int,
+    turns: str,
+    max_turns=None,
+    caps=None,
 ):
     """Per conversation, the glue token ids after each answer but the last, while the tokens so
-    far stay below max_length and the turns within max_turns."""
+    far stay below max_length and the turns within max_turns (and the conversation's own cap:
+    caps[j] user turns, None for no cap)."""
     out: list[list[list[int]]] = [[] for _ in convs]
     if turns != "all":
         return out
     skels = [c.skeleton() if not c.plain else [] for c in convs]
     users = [[i for i, m in enumerate(s) if m["role"] == "user"] for s in skels]
+    if caps is not None:
+        users = [u[:cap] if cap else u for u, cap in zip(users, caps)]
     used = [len(f) for f in firsts]
     k = 1
     last = max_turns or max((len(u) for u in users), default=0)

@@ -248,7 +248,7 @@ def _turn_items(cfg, target, convs, log) -> list[EvalItem]:
     t0 = time.perf_counter()
     tp = encode_turns(convs, target.tokenizer, cfg.target, "all", cfg.data.max_length)
 
-    def generate(prompts, k):
+    def generate(prompts, k, _convs):
         return generate_greedy(
             target,
             prompts,

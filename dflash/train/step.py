@@ -72,13 +72,25 @@ class StepFigures:
     """A step's figures, on the device until `read()` (one host sync; the loop reads them at log
     steps only, so the host queues the next steps' kernels meanwhile)."""
 
-    KEYS = ("loss", "acc", "tokens", "labels", "empty_micro_batches", "grad_norm")
+    KEYS = (
+        "loss",
+        "acc",
+        "tokens",
+        "labels",
+        "empty_micro_batches",
+        "greedy_hits",
+        "greedy_tokens",
+        "grad_norm",
+    )
 
     def __init__(self, stats: torch.Tensor, lr: float):
         self.stats, self.lr = stats, lr
 
     def read(self) -> dict:
         out = {f"train/{k}": v for k, v in zip(self.KEYS, self.stats.tolist())}
+        # the share of the step's response tokens that are the target's own greedy tokens
+        hits, tokens = out.pop("train/greedy_hits"), out.pop("train/greedy_tokens")
+        out["train/greedy_agreement"] = hits / tokens if tokens else 1.0
         return {**out, "train/lr": self.lr}
 
 
@@ -278,8 +290,10 @@ class DrafterTrainer:
         denom = w_sum.clamp(min=1e-8)
         loss_total = torch.zeros((), device=self.device)
         correct_total = torch.zeros((), device=self.device)
+        agree_total = torch.zeros(2, device=self.device)
         for i, (tb, prep) in enumerate(zip(micro, prepared)):
             tb = tb.to(self.device)
+            agree_total += tb.greedy_agreement()
             if self.cfg.noise_std > 0:
                 g = torch.Generator(device=self.device).manual_seed(
                     row_seed(self.cfg.seed + 1, step, int(tb.row_seeds[0]))
@@ -309,7 +323,13 @@ class DrafterTrainer:
             ]
         )
         stats = self._all_reduce(
-            torch.cat([torch.stack([loss_total, correct_total]), to_device(counts, self.device)])
+            torch.cat(
+                [
+                    torch.stack([loss_total, correct_total]),
+                    to_device(counts, self.device),
+                    agree_total,
+                ]
+            )
         )
         stats = torch.cat(
             [stats[:2] / denom, stats[2:], grad_norm.float().reshape(1).to(self.device)]
