@@ -518,3 +518,33 @@ def test_mix_validation_names_the_key():
         DataConfig(source="mix", mix=[MixSourceConfig(name="a", weight=0, paths=["x"])]).validate()
     with pytest.raises(ValueError, match=r"data.turns='some' is not allowed"):
         DataConfig(turns="some").validate()
+
+
+def test_given_answers_in_a_mix_leave_the_stdlib_stubs_to_the_target(tmp_path, tiny_llama):
+    """A mix under data.answers=given: the jsonl rows that hold answers keep them; its row
+    without one and every stdlib stub (a bare prompt) are regenerated."""
+    f = _jsonl(tmp_path / "g.jsonl", GIVEN)
+    dc = DataConfig(
+        source="mix",
+        answers="given",
+        num_samples=6,
+        response_len=6,
+        max_length=400,
+        regen_batch_size=8,
+        mix=[
+            MixSourceConfig(name="chat", weight=0.5, source="jsonl", paths=[f]),
+            MixSourceConfig(name="code", weight=0.5, source="stdlib"),
+        ],
+    )
+    dc.validate()
+    logs = []
+    samples = load_or_build_dataset(
+        dc, target_cfg("tiny_llama"), tiny_llama, str(tmp_path / "c"), log=logs.append
+    )
+    import re
+
+    (n,) = [int(x) for m in logs for x in re.findall(r"^data: 2 of (\d+) conversations", m)]
+    assert n == len(samples) >= 5  # (a long stdlib stub may not fit data.max_length)
+    assert any(m.startswith(f"data: regenerating {n - 2} responses") for m in logs), logs
+    assert any("given_answers 2" in m for m in logs), logs
+    assert [s.source for s in samples].count(0) == 3  # the chat rows, b regenerated among them
