@@ -306,7 +306,7 @@ def regenerate_dataset(
             "tokens; raise data.max_length or use shorter prompts"
         )
     turns = tp.stats.get("turns", len(tp))
-    given = sum(tp.given(c) for c in range(len(tp)))
+    given = int(tp.given_mask().sum())
     if given:
         log(
             f"data: {given} of {len(tp)} conversations answered by their rows' own assistant "

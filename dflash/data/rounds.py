@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from ..config import DataConfig, TargetConfig
@@ -173,7 +174,7 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
     rounds = turn_stats.pop("rounds")
     samples, stats = dialogue_samples(tp, seqs, spans, reached, dcfg.max_length, dcfg.too_long)
     stats["prompt_too_long"] = tp.stats.get("prompt_too_long", 0)
-    if given := sum(tp.given(c) for c in range(len(tp)) if reached[c]):
+    if given := int((tp.given_mask() & np.array(reached, dtype=bool)).sum()):
         stats["given_answers"] = given  # conversations answered by their rows (data.answers)
     if not all(reached):
         stats["not_reached_in_time"] = reached.count(False)

@@ -55,6 +55,10 @@ class TurnPrompts:
         """Whether conversation c's answers are its row's own (data.answers=given)."""
         return bool(self.answer_start[c + 1] > self.answer_start[c])
 
+    def given_mask(self) -> np.ndarray:
+        """[C] bool: `given` of every conversation."""
+        return np.diff(self.answer_start) > 0
+
     def answer_of(self, c: int, k: int) -> list[int]:
         """The row's own answer k (0-based) of conversation c, as the target's tokens would be."""
         return self.answers[int(self.answer_start[c]) + k]
