@@ -137,8 +137,9 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
 
     def generate(prompts, k, convs):
         """The rows' own answers where data.answers=given found them, the target's for the rest."""
-        out = [tp.answer_of(c, k) if tp.given(c) else None for c in convs]
-        mine = [j for j, c in enumerate(convs) if not tp.given(c)]
+        given = tp.given_mask()
+        out = [tp.answer_of(c, k) if given[c] else None for c in convs]
+        mine = [j for j, c in enumerate(convs) if not given[c]]
         if not mine:
             return out
         if len(mine) < len(convs):
