@@ -166,3 +166,14 @@ def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
     assert res["conversations"] == 6 and res["regenerated_agreement"] == 1.0
     assert res["their_own_answers_given_agreement"] < 0.5
     assert res["regenerated_text_given_tokens"] == res["regenerated_tokens"]
+
+
+def test_bench_topk_times_both_and_checks_the_values(tmp_path):
+    res = run_bench(
+        "bench_topk",
+        ["--device", "cpu", "--rows", "8", "--vocab", str(128 * 80), "--dtype", "float32"]
+        + ["--iters", "2", "--rounds", "2"],
+        tmp_path,
+    )
+    assert res["values_equal"] and res["indices_equal"]  # float32 normal rows: no ties
+    assert res["speedup"] == pytest.approx(res["torch_topk_ms"] / res["tiled_topk_ms"])

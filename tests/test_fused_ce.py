@@ -124,22 +124,30 @@ def _selector(V, H, rank=5, k=4, seed=3):
 
 
 @pytest.mark.parametrize(
-    "M,chunk,transform,bias",
-    [(37, 8, False, False), (17, 8, True, True), (1, 8, False, True), (0, 8, False, False)],
+    "M,chunk,transform,bias,V",
+    [
+        (37, 8, False, False, 13),
+        (17, 8, True, True, 13),
+        (1, 8, False, True, 13),
+        (0, 8, False, False, 13),
+        (23, 8, True, False, 128 * 64),  # wide enough for tiled_topk's two passes
+    ],
 )
-def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias):
+def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias, V):
     """fused_ce_selection_sum = ce_selection_sum: the loss, the correct count (with separate
     correct weights, as D-PACE passes them) and the gradients of h and of every selector weight,
-    with the logit transform, a head bias, a one-row tail, a single row and no row at all."""
+    with the logit transform, a head bias, a one-row tail, a single row, no row at all, and a
+    vocabulary whose candidates come from tiled_topk's tiles."""
     from dflash.train.fused_ce import fused_ce_selection_sum
     from dflash.train.losses import ce_selection_sum
 
     g = torch.Generator().manual_seed(M)
-    H, V = 6, 13
+    H = 6
     h = torch.randn(M, H, generator=g, dtype=torch.float64) * 2
     w = torch.randn(V, H, generator=g, dtype=torch.float64)
     b = torch.randn(V, generator=g, dtype=torch.float64) if bias else None
     labels = torch.randint(0, V, (M,), generator=g)
+    labels[::2] = (h @ w.t()).argmax(-1)[::2]  # among the candidates in a wide vocabulary too
     prev = torch.randint(0, V, (M,), generator=g)
     weights = torch.rand(M, generator=g, dtype=torch.float64)
     cw = torch.rand(M, generator=g, dtype=torch.float64)

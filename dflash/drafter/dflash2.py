@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .model import DFlashDrafter, DFlashLayer
+from .topk import tiled_topk
 
 # dflash_config fields of DFlash2DraftModel (and drafter.* keys of the same names)
 FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -113,8 +114,9 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
 
     def candidates(self, logits_xV: torch.Tensor):
-        """(unary logits, token ids) [..., K] of each position's top-K."""
-        return logits_xV.topk(min(self.top_k, logits_xV.shape[-1]), dim=-1)
+        """(unary logits, token ids) [..., K] of each position's top-K (`tiled_topk`: the values
+        and order of ``torch.topk``, in two short passes over a wide vocabulary)."""
+        return tiled_topk(logits_xV, min(self.top_k, logits_xV.shape[-1]))
 
     def forward(self, h_xH, unary_xK, cand_xK, prev_x):
         """Scores [..., K] of each position's candidates after the given predecessor tokens

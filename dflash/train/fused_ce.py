@@ -10,7 +10,7 @@ exp, target logit, argmax, softmax gradient) instead of the cast / log_softmax /
 backward passes of the plain path. Same value as loss.weighted_ce_sum (tested on CPU).
 
 DFlash2 (`fused_ce_selection_sum`): the same pass also takes each row's top-K logits for the
-selector (topk over the bf16 logits, the transform applied to the K values only). The selector's
+selector (`tiled_topk` over the bf16 logits, the transform applied to the K values only). The selector's
 term sends back K values per row, whose gradient w.r.t. h is K gathered rows of the head; the
 plain path (`losses.ce_selection_sum`) keeps [c, V] float32 logits, recomputes them in backward
 and scatters the K values' gradient into a dense [c, V] one.
@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from ..drafter.topk import tiled_topk
 from .losses import selection_sum
 
 
@@ -53,7 +54,7 @@ def _ce_stats(
 def _top_k(logits_cV: torch.Tensor, k: int, mult: float, cap: float | None):
     """The top-k of the transformed logits: (values [c, k] fp32, token ids [c, k], d value /
     d logit [c, k]). The transform is increasing, so the raw logits' top-k are its top-k."""
-    v, idx = logits_cV.topk(k, dim=-1)
+    v, idx = tiled_topk(logits_cV, k)
     x = v.float() * mult
     if cap is None:
         return x, idx, torch.full_like(x, mult)
