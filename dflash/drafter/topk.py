@@ -28,8 +28,9 @@ def tiled_topk(x: torch.Tensor, k: int, tile: int = TILE) -> tuple[torch.Tensor,
     if k < 1 or V % tile or V // tile < 4 * k or x.numel() == 0:
         return x.topk(min(k, V), dim=-1)
     lead = x.shape[:-1]
-    x_cV = x.reshape(-1, V)
-    tiles = x_cV.unflatten(1, (V // tile, tile)).amax(-1).topk(k, dim=-1).indices  # [c, k]
-    cols = (tiles[..., None] * tile + torch.arange(tile, device=x.device)).flatten(1)  # [c, kT]
-    v, j = x_cV.gather(1, cols).topk(k, dim=-1)
-    return v.reshape(*lead, k), cols.gather(1, j).reshape(*lead, k)
+    x_cnT = x.reshape(-1, V).unflatten(1, (V // tile, tile))
+    tiles = x_cnT.amax(-1).topk(k, dim=-1).indices  # [c, k]
+    cand = x_cnT.gather(1, tiles[..., None].expand(-1, -1, tile))  # [c, k, T], no index copy
+    v, j = cand.flatten(1).topk(k, dim=-1)
+    cols = tiles.gather(1, j // tile) * tile + j % tile
+    return v.reshape(*lead, k), cols.reshape(*lead, k)
