@@ -134,10 +134,10 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
     the log, and the rounds' partial paths (removed once the samples are saved)."""
     limit = None if dcfg.regen_time_limit_min is None else 60 * dcfg.regen_time_limit_min
     t0 = time.monotonic()  # the whole regeneration's clock (each round also keeps its own)
+    given = tp.given_mask()
 
     def generate(prompts, k, convs):
         """The rows' own answers where data.answers=given found them, the target's for the rest."""
-        given = tp.given_mask()
         out = [tp.answer_of(c, k) if given[c] else None for c in convs]
         mine = [j for j, c in enumerate(convs) if not given[c]]
         if not mine:
@@ -175,8 +175,8 @@ def regenerate_turns(dcfg: DataConfig, target, tp: TurnPrompts, path: str, gener
     rounds = turn_stats.pop("rounds")
     samples, stats = dialogue_samples(tp, seqs, spans, reached, dcfg.max_length, dcfg.too_long)
     stats["prompt_too_long"] = tp.stats.get("prompt_too_long", 0)
-    if given := int((tp.given_mask() & np.array(reached, dtype=bool)).sum()):
-        stats["given_answers"] = given  # conversations answered by their rows (data.answers)
+    if n_given := int((given & np.array(reached, dtype=bool)).sum()):
+        stats["given_answers"] = n_given  # conversations answered by their rows (data.answers)
     if not all(reached):
         stats["not_reached_in_time"] = reached.count(False)
     if tp.stats.get("turns", len(tp)) > len(tp):  # conversations with several user turns

@@ -51,12 +51,8 @@ class TurnPrompts:
         if self.answer_start is None:
             self.answer_start = np.zeros(n + 1, dtype=np.int64)
 
-    def given(self, c: int) -> bool:
-        """Whether conversation c's answers are its row's own (data.answers=given)."""
-        return bool(self.answer_start[c + 1] > self.answer_start[c])
-
     def given_mask(self) -> np.ndarray:
-        """[C] bool: `given` of every conversation."""
+        """[C] bool: whether each conversation's answers are its row's own (data.answers=given)."""
         return np.diff(self.answer_start) > 0
 
     def answer_of(self, c: int, k: int) -> list[int]:

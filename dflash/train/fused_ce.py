@@ -10,10 +10,10 @@ exp, target logit, argmax, softmax gradient) instead of the cast / log_softmax /
 backward passes of the plain path. Same value as loss.weighted_ce_sum (tested on CPU).
 
 DFlash2 (`fused_ce_selection_sum`): the same pass also takes each row's top-K logits for the
-selector (`tiled_topk` over the bf16 logits, the transform applied to the K values only). The selector's
-term sends back K values per row, whose gradient w.r.t. h is K gathered rows of the head; the
-plain path (`losses.ce_selection_sum`) keeps [c, V] float32 logits, recomputes them in backward
-and scatters the K values' gradient into a dense [c, V] one.
+selector (`tiled_topk` over the bf16 logits, the transform applied to the K values only). The
+selector's term sends back K values per row, whose gradient w.r.t. h is K gathered rows of the
+head; the plain path (`losses.ce_selection_sum`) keeps [c, V] float32 logits, recomputes them in
+backward and scatters the K values' gradient into a dense [c, V] one.
 """
 
 from __future__ import annotations
