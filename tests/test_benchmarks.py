@@ -177,3 +177,17 @@ def test_bench_topk_times_both_and_checks_the_values(tmp_path):
     )
     assert res["values_equal"] and res["indices_equal"]  # float32 normal rows: no ties
     assert res["speedup"] == pytest.approx(res["torch_topk_ms"] / res["tiled_topk_ms"])
+    assert "tiled_topk_compiled_ms" not in res
+
+
+def test_bench_topk_times_the_compiled_function_too(tmp_path):
+    res = run_bench(
+        "bench_topk",
+        ["--device", "cpu", "--rows", "8", "--vocab", str(128 * 80), "--dtype", "float32"]
+        + ["--iters", "2", "--rounds", "2", "--compile", "aot_eager"],
+        tmp_path,
+    )
+    assert res["values_equal"] and res["compiled_values_equal"]
+    assert res["compiled_speedup"] == pytest.approx(
+        res["tiled_topk_ms"] / res["tiled_topk_compiled_ms"]
+    )

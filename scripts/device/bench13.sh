@@ -37,7 +37,7 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       pack_profile $w ;;
     topk)  # DFlash2's candidates: torch.topk vs tiled_topk at the recipe's chunk, Qwen2.5 and 3.6 vocab
       for v in 151936 248320; do
-        timeout 60 python3 benchmarks/bench_topk.py --vocab $v --out "$OUT/topk_$v.json"
+        timeout 120 python3 benchmarks/bench_topk.py --vocab $v --compile inductor --out "$OUT/topk_$v.json"
       done ;;
     qwen05_cg)  # the 16-row loop with the drafter step as CUDA graphs vs compiled as now
       timeout 280 python3 benchmarks/bench_loop.py --target qwen2_5_coder_0_5b --rows 16 $LOOP \
