@@ -514,7 +514,7 @@ def main() -> None:
     res = {
         "target": args.target,
         "weights": weights,
-        "dflash": os.path.dirname(dbatch.__file__),
+        "dflash": os.path.dirname(os.path.dirname(dbatch.__file__)),  # the package (DFLASH_ROOT)
         "attn_kernel": getattr(tr, "attn_kernel", "sdpa (main)"),
         "compile": bool(tc.get("compile")),
         "compile_target": args.compile_target,

@@ -62,6 +62,7 @@ def test_bench_loop_quick_profiles_step_and_loop(tmp_path):
     )
     assert "by_weight_speedup" not in res and "step_fused_ms" not in res
     assert res["loop_ms"] > 0
+    assert res["dflash"] == os.path.join(ROOT, "dflash")  # which checkout's package it timed
     for part in ("step", "loop"):
         (summary,) = [
             json.loads(x) for x in (prof / part / "summary.json").read_text().split("\n") if x
