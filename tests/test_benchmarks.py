@@ -169,11 +169,15 @@ def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
     assert res["regenerated_text_given_tokens"] == res["regenerated_tokens"]
 
 
+# float32 rows 80 tiles wide, on CPU: tiled_topk's two passes, quickly
+TOPK_ARGS = ["--device", "cpu", "--rows", "8", "--vocab", str(128 * 80), "--dtype", "float32"]
+TOPK_ARGS += ["--iters", "2", "--rounds", "2"]
+
+
 def test_bench_topk_times_both_and_checks_the_values(tmp_path):
     res = run_bench(
         "bench_topk",
-        ["--device", "cpu", "--rows", "8", "--vocab", str(128 * 80), "--dtype", "float32"]
-        + ["--iters", "2", "--rounds", "2"],
+        TOPK_ARGS,
         tmp_path,
     )
     assert res["values_equal"] and res["indices_equal"]  # float32 normal rows: no ties
@@ -184,8 +188,7 @@ def test_bench_topk_times_both_and_checks_the_values(tmp_path):
 def test_bench_topk_times_the_compiled_function_too(tmp_path):
     res = run_bench(
         "bench_topk",
-        ["--device", "cpu", "--rows", "8", "--vocab", str(128 * 80), "--dtype", "float32"]
-        + ["--iters", "2", "--rounds", "2", "--compile", "aot_eager"],
+        [*TOPK_ARGS, "--compile", "aot_eager"],
         tmp_path,
     )
     assert res["values_equal"] and res["compiled_values_equal"]

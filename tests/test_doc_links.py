@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
-HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$", re.M)
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.M)
 
 
 def _markdown_files() -> list[str]:
@@ -47,7 +47,7 @@ def anchors(text: str) -> set[str]:
     """The anchors of a file's headings; a repeated one gets -1, -2, ... as on GitHub."""
     seen, out = Counter(), set()
     for m in HEADING.finditer(_unfenced(text)):
-        a = github_anchor(m.group(2))
+        a = github_anchor(m.group(1))
         out.add(a if not seen[a] else f"{a}-{seen[a]}")
         seen[a] += 1
     return out
