@@ -393,11 +393,11 @@ def main() -> None:
 
         return run
 
-    def ab(names, fa, fb, rounds=args.ab_rounds):
-        """Median seconds per call of fa and fb, timed in alternating order (no order bias);
+    def ab(names, *fns, rounds=args.ab_rounds):
+        """Median seconds per call of each fn, timed in alternating order (no order bias);
         their peak memory under mem[name]."""
         med, peaks = alternating(
-            dict(zip(names, (fa, fb))),
+            dict(zip(names, fns)),
             rounds,
             lambda fn: throughput(fn, args.steps, args.warmup, dev),
             dev,
@@ -435,25 +435,28 @@ def main() -> None:
             fused(on, keep(w / w.max(), one)),
         )
         tr.keep_p_k = mode_p
-    # the fused head (dflash.train.fused_ce) vs the checkpointed plain one, the default restored
-    s_head_f = s_head_p = None
+    # the fused head (dflash.train.fused_ce) vs the checkpointed plain one, the default restored;
+    # DFlash2 also with its CE stats tile by tile (train.fused_head=tiles)
+    s_head_f = s_head_p = s_head_t = None
     obj = getattr(tr, "objective", None)
     if args.head_ab and hasattr(obj, "fused"):
-        head_default = obj.fused
+        head_default = obj.fused, obj.tiles
 
-        def head(on, fn):
+        def head(on, fn, tiles=False):
             def run(i):
-                obj.fused = on
+                obj.fused, obj.tiles = on, tiles
                 return fn(i)
 
             return run
 
-        s_head_f, s_head_p = ab(
-            ("step_fused_head", "step_plain_head"),
-            fused(on, head(True, one)),
-            fused(on, head(False, one)),
-        )
-        obj.fused = head_default
+        names = ("step_fused_head", "step_plain_head")
+        arms = [fused(on, head(True, one)), fused(on, head(False, one))]
+        if obj.selector is not None:
+            names += ("step_tiles_head",)
+            arms.append(fused(on, head(True, one, tiles=True)))
+        s_head_f, s_head_p, *tiled = ab(names, *arms)
+        s_head_t = tiled[0] if tiled else None
+        obj.fused, obj.tiles = head_default
     tps_step, tf_step = mean(tokens) / s_step, mean(step_flops) / s_step / 1e12
     loop_flops = [a + b for a, b in zip(cap_flops, step_flops)]
     loop = fused(on, lambda i: step_fn([capture(i)]))
@@ -542,6 +545,7 @@ def main() -> None:
         **pair(
             "step_plain_head_ms", s_head_p, "step_fused_head_ms", s_head_f, "fused_head_speedup"
         ),
+        **pair("step_fused_head_ms", s_head_f, "step_tiles_head_ms", s_head_t, "tiles_speedup"),
         **({"label_sampling": args.label_sampling} if s_all else {}),
         **pair("step_all_labels_ms", s_all, "step_by_weight_ms", s_lw, "by_weight_speedup"),
         "loop_ms": s_loop * 1e3,

@@ -195,3 +195,24 @@ def test_bench_topk_times_the_compiled_function_too(tmp_path):
     assert res["compiled_speedup"] == pytest.approx(
         res["tiled_topk_ms"] / res["tiled_topk_compiled_ms"]
     )
+
+
+def test_bench_topk_times_the_fused_heads_row_and_tile_stats(tmp_path):
+    res = run_bench("bench_topk", [*TOPK_ARGS, "--head"], tmp_path)
+    assert res["correct_equal"] and res["topk_values_equal"] and res["loss_rel_diff"] < 1e-6
+    assert res["grad_max_abs_diff"] < 1e-6
+    assert res["tiles_speedup"] == pytest.approx(res["rows_ms"] / res["tiles_ms"])
+
+
+def test_bench_loop_times_dflash2s_three_heads(tmp_path):
+    res = run_bench(
+        "bench_loop",
+        ["--target", "tiny", "--rows", "2", "--seq", "64", "--anchors", "8", "--steps", "1"]
+        + ["--warmup", "1", "--ab-rounds", "1", "--quick", "--variant", "dflash2", "--head-ab"],
+        tmp_path,
+    )
+    for key in ("step_fused_head_ms", "step_plain_head_ms", "step_tiles_head_ms"):
+        assert res[key] > 0, key
+    assert res["tiles_speedup"] == pytest.approx(
+        res["step_fused_head_ms"] / res["step_tiles_head_ms"]
+    )

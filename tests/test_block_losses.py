@@ -22,7 +22,7 @@ from dflash.train.losses import dpace_weights
 from dflash.train.step import DrafterTrainer
 
 GAMMA = 3.0
-_HEAD = {False: "plain", True: "fused"}  # train.fused_head (auto is plain on the CPU)
+_HEAD = {False: "plain", True: "fused", "tiles": "tiles"}  # train.fused_head (auto: plain on CPU)
 
 
 def _trainer(target, drafter, **over):
@@ -154,9 +154,15 @@ def test_variable_prefix_is_brute_force_through_the_trainer(tiny_qwen, variant):
 
 
 # ----------------------------------------------------------------------------- DFlash2 selection
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
-def test_selection_loss_is_brute_force(tiny_qwen, fused):
-    """Both heads: the checkpointed plain path (CPU's) and the fused one (CUDA's)."""
+@pytest.mark.parametrize("fused", [False, True, "tiles"], ids=["plain", "fused", "tiles"])
+def test_selection_loss_is_brute_force(tiny_qwen, fused, monkeypatch):
+    """Every head: the checkpointed plain path (CPU's), the fused one (CUDA's) and the fused one
+    with its CE stats tile by tile (tiles of 16 here, so the tiny vocabulary holds 32)."""
+    from dflash.train import fused_ce
+
+    if fused == "tiles":
+        monkeypatch.setattr(fused_ce, "TILE", 16)
+        assert fused_ce.uses_tiles(tiny_qwen.vocab_size, 4, True)
     d = make_drafter(tiny_qwen, variant="dflash2", selector_rank=8, selector_top_k=4)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # a selector that scores pairs (it starts as a no-op)
@@ -165,7 +171,7 @@ def test_selection_loss_is_brute_force(tiny_qwen, fused):
         d.candidate_selector.hidden_projection.weight.normal_(0, 0.5, generator=g)
     lam = 0.7
     tr = _trainer(tiny_qwen, d, selector_loss_weight=lam, fused_head=_HEAD[fused])
-    assert tr.objective.fused == fused
+    assert tr.objective.fused == bool(fused) and tr.objective.tiles == (fused == "tiles")
     tb = target_forward(tiny_qwen, collate(_samples(tiny_qwen)))
     p = tr.prepare(tb, 0)
     h = _hidden(tr, tb, p)

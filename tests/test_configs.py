@@ -145,7 +145,11 @@ def test_group_file_with_unknown_key_fails_at_composition(tmp_path):
         ("DataConfig", {"pack_to": 8, "max_length": 16}, "data.pack_to"),
         ("DrafterConfig", {"block_size": 1}, "drafter.block_size"),
         ("EvalConfig", {"budgets": [0, 4]}, "eval.budgets"),
-        ("TrainConfig", {"fused_head": "on"}, r"train.fused_head='on' .*'auto', 'fused', 'plain'"),
+        (
+            "TrainConfig",
+            {"fused_head": "on"},
+            r"train.fused_head='on' .*'auto', 'fused', 'tiles', 'plain'",
+        ),
     ],
 )
 def test_each_group_validates_itself(group, kwargs, match):

@@ -124,20 +124,23 @@ def _selector(V, H, rank=5, k=4, seed=3):
 
 
 @pytest.mark.parametrize(
-    "M,chunk,transform,bias,V",
+    "M,chunk,transform,bias,V,tiles",
     [
-        (37, 8, False, False, 13),
-        (17, 8, True, True, 13),
-        (1, 8, False, True, 13),
-        (0, 8, False, False, 13),
-        (23, 8, True, False, 128 * 64),  # wide enough for tiled_topk's two passes
+        (37, 8, False, False, 13, False),
+        (17, 8, True, True, 13, False),
+        (1, 8, False, True, 13, False),
+        (0, 8, False, False, 13, False),
+        (23, 8, True, False, 128 * 64, False),  # wide enough for tiled_topk's two passes
+        (23, 8, True, True, 128 * 64, True),  # the CE stats tile by tile (fused_head=tiles)
+        (9, 8, False, False, 128 * 64, True),  # with a one-row tail
+        (17, 8, False, False, 13, True),  # too narrow for tiles: the row stats
     ],
 )
-def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias, V):
+def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias, V, tiles):
     """fused_ce_selection_sum = ce_selection_sum: the loss, the correct count (with separate
     correct weights, as D-PACE passes them) and the gradients of h and of every selector weight,
-    with the logit transform, a head bias, a one-row tail, a single row, no row at all, and a
-    vocabulary whose candidates come from tiled_topk's tiles."""
+    with the logit transform, a head bias, a one-row tail, a single row, no row at all, a
+    vocabulary whose candidates come from tiled_topk's tiles, and the CE stats tile by tile."""
     from dflash.train.fused_ce import fused_ce_selection_sum
     from dflash.train.losses import ce_selection_sum
 
@@ -162,7 +165,7 @@ def test_fused_selection_matches_the_plain_path(M, chunk, transform, bias, V):
         sel, hh = _selector(V, H), h.clone().requires_grad_()
         kw = dict(selection_weight=0.6, chunk=chunk, lm_head_b_V=b, correct_weights_M=cw)
         if fused:
-            kw.update(dtype=torch.float64, output_multiplier=m, softcap=c)
+            kw.update(dtype=torch.float64, output_multiplier=m, softcap=c, tiles=tiles)
             loss, corr = fused_ce_selection_sum(hh, w, labels, weights, prev, sel, **kw)
         else:
             loss, corr = ce_selection_sum(
@@ -224,3 +227,69 @@ def test_fused_selection_term_reaches_h_through_the_candidates_rows():
     want = gl @ w + gu @ w[cand[2]]
     assert torch.allclose(h.grad[2], want, rtol=1e-5, atol=1e-6)
     assert h.grad[[0, 1, 3]].abs().max() == 0
+
+
+# ------------------------------------------------------------------- the CE stats tile by tile
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("transform", [False, True])
+def test_tiled_stats_equal_the_row_stats(dtype, transform):
+    """_ce_stats_tiled = _ce_stats (loss, correct count, gradient) and its tile maxima are the
+    raw logits' own, on rows whose maximum repeats: within a tile, across tiles, and in the
+    label's column or not, where the first maximum decides the argmax as in torch.argmax."""
+    from dflash.train.fused_ce import _ce_stats, _ce_stats_tiled
+
+    g = torch.Generator().manual_seed(7)
+    c, T, n = 12, 8, 6
+    x = (torch.randn(c, n * T, generator=g, dtype=torch.float64) * 4).to(dtype)
+    labels = torch.randint(0, n * T, (c,), generator=g)
+    top = x.amax(-1)
+    x[0, [5, 6]] = top[0] + 1  # twice in tile 0: column 5 is the argmax
+    x[1, [3, 40]] = top[1] + 1  # tiles 0 and 5: column 3
+    labels[1] = 40  # the label holds the maximum, but not the first one: not correct
+    x[2, [17, 30]] = top[2] + 1  # tiles 2 and 3
+    labels[2] = 17  # the first maximum: correct
+    labels[3] = x[3].float().argmax()
+    w, cw = torch.rand(c, generator=g), torch.rand(c, generator=g)
+    m, cap = (0.7, 3.0) if transform else (1.0, None)
+    l1, c1, g1 = _ce_stats(x, labels, w, cw, m, cap)
+    l2, c2, g2, tmax = _ce_stats_tiled(x, labels, w, cw, m, cap, tile=T)
+    assert torch.allclose(l1, l2, rtol=1e-6) and torch.allclose(c1, c2)
+    assert c1 == pytest.approx(
+        float(cw[2] + cw[3]) + float(cw[4:][labels[4:] == x[4:].float().argmax(-1)].sum())
+    )
+    tol = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-9)
+    assert g2.dtype == dtype and torch.allclose(g1.float(), g2.float(), **tol)
+    assert torch.equal(tmax, x.view(c, n, T).amax(-1))
+
+
+def test_tiled_topk_takes_the_tile_maxima_it_is_given():
+    """tiled_topk(x, k, tile_max=...) reads the maxima it is handed (a pass over x formed them):
+    the same values as torch.topk with the true maxima; maxima that point at other tiles give
+    those tiles' values, so the argument is used, not recomputed."""
+    from dflash.drafter.topk import tiled_topk
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 64 * 16, generator=g)
+    tmax = x.view(5, 64, 16).amax(-1)
+    v, i = tiled_topk(x, 4, tile=16, tile_max=tmax)
+    assert torch.equal(v, x.topk(4, -1).values) and torch.equal(x.gather(1, i), v)
+    wrong = -tmax  # ranks the tiles with the smallest maxima first
+    v2, i2 = tiled_topk(x, 4, tile=16, tile_max=wrong)
+    assert not torch.equal(v2, v) and torch.equal(x.gather(1, i2), v2)
+
+
+def test_compiled_tiled_stats_equal_eager():
+    """The tiled stats compiled (Inductor, dynamic shapes, as the fused head compiles them on
+    CUDA) equal the eager ones on the CPU, at two row counts."""
+    from dflash.train.fused_ce import _ce_stats_tiled
+
+    torch._dynamo.reset()
+    comp = torch.compile(_ce_stats_tiled, dynamic=True)
+    g = torch.Generator().manual_seed(5)
+    for c in (6, 9):
+        x = (torch.randn(c, 128 * 8, generator=g) * 3).bfloat16()
+        labels = torch.randint(0, 128 * 8, (c,), generator=g)
+        w = torch.rand(c, generator=g)
+        a, b = _ce_stats_tiled(x, labels, w, w, 0.7, 4.0), comp(x, labels, w, w, 0.7, 4.0)
+        for u, v in zip(a, b):
+            assert torch.allclose(u.float(), v.float(), rtol=1e-4, atol=1e-5)

@@ -492,16 +492,18 @@ def test_static_compiled_step_matches_eager_on_cuda(variant):
         assert torch.allclose(x, y, atol=5e-3), k  # bf16 rounding through three Adam steps
 
 
-def test_fused_selection_matches_the_plain_path_on_cuda():
+@pytest.mark.parametrize("V,tiles", [(512, False), (128 * 64, True)])
+def test_fused_selection_matches_the_plain_path_on_cuda(V, tiles):
     """DFlash2's selection through the fused head on the device (the compiled CE stats, topk on
-    the bf16 logits) against the checkpointed plain path: the same loss and gradients, up to
-    bf16 rounding."""
+    the bf16 logits; and the stats compiled tile by tile, train.fused_head=tiles) against the
+    checkpointed plain path: the same loss and gradients, up to bf16 rounding."""
     from dflash.drafter.dflash2 import CandidateSelector
-    from dflash.train.fused_ce import fused_ce_selection_sum
+    from dflash.train.fused_ce import fused_ce_selection_sum, uses_tiles
     from dflash.train.losses import ce_selection_sum
 
+    assert uses_tiles(V, 8, tiles) == tiles
     g = torch.Generator().manual_seed(0)
-    M, H, V = 300, 64, 512
+    M, H = 300, 64
     h = (torch.randn(M, H, generator=g) * 2).cuda().bfloat16()
     w = torch.randn(V, H, generator=g).cuda().bfloat16()
     labels, prev = (torch.randint(0, V, (M,), generator=g).cuda() for _ in range(2))
@@ -517,7 +519,9 @@ def test_fused_selection_matches_the_plain_path_on_cuda():
         kw = dict(selection_weight=1.0, chunk=128)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             if fused:
-                loss, _ = fused_ce_selection_sum(hh, w, labels, weights, prev, sel, **kw)
+                loss, _ = fused_ce_selection_sum(
+                    hh, w, labels, weights, prev, sel, **kw, tiles=tiles
+                )
             else:
                 loss, _ = ce_selection_sum(hh, w, labels, weights, prev, sel, **kw)
         loss.backward()

@@ -45,6 +45,7 @@ class TrainConfig:
     lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
     # the lm_head + CE of hard_ce, variable_prefix and DFlash2's selection: fused (the gradient
     # formed in the forward, dflash.train.fused_ce) | plain (checkpointed) | auto (fused on CUDA)
+    # | tiles (fused, DFlash2's CE stats tile by tile, giving tiled_topk its tile maxima)
     fused_head: str = "auto"
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
     compile: bool = False  # the drafter as one static compiled graph (rows padded to max_length)
@@ -67,7 +68,7 @@ class TrainConfig:
         check_choice("train.loss", self.loss, LOSSES)
         check_choice("train.label_sampling", self.label_sampling, ("all", "by_weight"))
         check_choice("train.attn_kernel", self.attn_kernel, ("auto", "flex", "sdpa"))
-        check_choice("train.fused_head", self.fused_head, ("auto", "fused", "plain"))
+        check_choice("train.fused_head", self.fused_head, ("auto", "fused", "tiles", "plain"))
         check_choice("train.dist", self.dist, ("ddp", "fsdp", "deepspeed"))
         check_choice("train.zero_stage", self.zero_stage, (1, 2, 3))
         if self.loss == "soft_kl" and not self.allow_soft_loss:

@@ -14,6 +14,11 @@ selector (`tiled_topk` over the bf16 logits, the transform applied to the K valu
 selector's term sends back K values per row, whose gradient w.r.t. h is K gathered rows of the
 head; the plain path (`losses.ce_selection_sum`) keeps [c, V] float32 logits, recomputes them in
 backward and scatters the K values' gradient into a dense [c, V] one.
+
+`tiles=True` (`train.fused_head=tiles`) forms the CE stats tile by tile (`_ce_stats_tiled`):
+one pass over each T-column tile gives its raw max, max, sum of exp and argmax, the rows combine
+the [c, n] tile figures, and `tiled_topk` takes the raw tile maxima from that pass instead of
+reading the logits once more for them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import functools
 
 import torch
 
-from ..drafter.topk import tiled_topk
+from ..drafter.topk import TILE, tiled_topk
 from .losses import selection_sum
 
 
@@ -51,10 +56,66 @@ def _ce_stats(
     return loss, correct, grad
 
 
-def _top_k(logits_cV: torch.Tensor, k: int, mult: float, cap: float | None):
+def _transformed(raw: torch.Tensor, mult: float, cap: float | None):
+    """(x, d x / d raw): the drafter's logit transform (x mult, then cap * tanh(. / cap)) in
+    float32."""
+    x = raw.float() * mult
+    if cap is None:
+        return x, mult
+    t = torch.tanh(x / cap)
+    return t * cap, mult * (1 - t * t)
+
+
+def _ce_stats_tiled(
+    logits_cV: torch.Tensor,
+    labels_c: torch.Tensor,
+    weights_c: torch.Tensor,
+    correct_weights_c: torch.Tensor,
+    mult: float = 1.0,
+    cap: float | None = None,
+    tile: int | None = None,
+):
+    """`_ce_stats` (V a multiple of `tile`) with the row reductions done tile by tile, plus the
+    raw logits' tile maxima [c, n] for `tiled_topk`. One reduction over each tile's T values gives
+    its raw max, max m, sum of exp(x - m) and argmax; the row's log-sum-exp is M + log sum_t s_t
+    exp(m_t - M) with M = max_t m_t, its argmax the first tile holding M (then the first column
+    in it, as torch.argmax's first maximum). The gradient is formed over the flat [c, V] logits.
+    Compiled, `tile` stays the default, this module's TILE (a constant: a traced tile width
+    would turn every index of the flat pass into a division)."""
+    tile = tile or TILE
+    c, V = logits_cV.shape
+    raw = logits_cV.view(c, V // tile, tile)
+    raw_max = raw.amax(-1)
+    x3, _ = _transformed(raw, mult, cap)
+    m = x3.amax(-1)  # [c, n]
+    s = torch.exp(x3 - m[..., None]).sum(-1)
+    col = x3.argmax(-1)
+    top = m.amax(-1)  # [c]
+    lse = top + torch.log((s * torch.exp(m - top[:, None])).sum(-1))
+    best = m.argmax(-1)
+    arg = best * tile + col.gather(1, best[:, None])[:, 0]
+    x, dxdl = _transformed(logits_cV, mult, cap)
+    tgt = x.gather(1, labels_c[:, None])[:, 0]
+    loss = ((lse - tgt) * weights_c).sum()
+    correct = ((arg == labels_c).float() * correct_weights_c).sum()
+    onehot = torch.arange(V, device=x.device) == labels_c[:, None]
+    grad = ((torch.exp(x - lse[:, None]) - onehot.float()) * weights_c[:, None] * dxdl).to(
+        logits_cV.dtype
+    )
+    return loss, correct, grad, raw_max
+
+
+def _top_k(
+    logits_cV: torch.Tensor,
+    k: int,
+    mult: float,
+    cap: float | None,
+    tile_max: torch.Tensor | None = None,
+):
     """The top-k of the transformed logits: (values [c, k] fp32, token ids [c, k], d value /
-    d logit [c, k]). The transform is increasing, so the raw logits' top-k are its top-k."""
-    v, idx = tiled_topk(logits_cV, k)
+    d logit [c, k]). The transform is increasing, so the raw logits' top-k are its top-k.
+    `tile_max`: the raw logits' tile maxima, where the CE stats formed them."""
+    v, idx = tiled_topk(logits_cV, k, tile=TILE, tile_max=tile_max)
     x = v.float() * mult
     if cap is None:
         return x, idx, torch.full_like(x, mult)
@@ -74,8 +135,15 @@ def chunk_bounds(M: int, chunk: int) -> list[tuple[int, int]]:
 
 
 @functools.cache
-def _compiled_stats():
-    return torch.compile(_ce_stats, dynamic=True)
+def _compiled_stats(tiled: bool = False):
+    return torch.compile(_ce_stats_tiled if tiled else _ce_stats, dynamic=True)
+
+
+def uses_tiles(V: int, k: int, tiles: bool) -> bool:
+    """Whether the fused head forms its CE stats tile by tile: asked for (`tiles`), DFlash2's
+    top-k wanted (k > 0: the tile maxima are what the tiles buy) and a vocabulary `tiled_topk`
+    cuts into tiles."""
+    return tiles and k > 0 and V % TILE == 0 and V // TILE >= 4 * k
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -83,8 +151,14 @@ class _FusedLinearCE(torch.autograd.Function):
     and their token ids: DFlash2's selector reads them from the same [c, V] logits."""
 
     @staticmethod
-    def forward(ctx, h_MH, w_VH, b_V, labels_M, weights_M, correct_w_M, chunk, dtype, mult, cap, k):
-        stats = _compiled_stats() if h_MH.is_cuda else _ce_stats
+    def forward(
+        ctx, h_MH, w_VH, b_V, labels_M, weights_M, correct_w_M, chunk, dtype, mult, cap, k, tiles
+    ):
+        tiled = uses_tiles(w_VH.shape[0], k, tiles)
+        if h_MH.is_cuda:
+            stats = _compiled_stats(tiled)
+        else:
+            stats = _ce_stats_tiled if tiled else _ce_stats
         need_grad = ctx.needs_input_grad[0]
         single = h_MH.shape[0] == 1
         if single:  # one row: a zero-weight copy as a second keeps the compiled shape general
@@ -105,7 +179,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 logits = h_MH[i:j].to(dtype) @ w.t()
                 if b is not None:
                     logits = logits + b
-                l, c, g = stats(
+                l, c, g, *tile_max = stats(
                     logits,
                     labels_M[i:j],
                     weights_M[i:j].float(),
@@ -118,7 +192,8 @@ class _FusedLinearCE(torch.autograd.Function):
                 if need_grad:
                     grad_h[i:j] = g @ w
                 if k:
-                    top[i:j], cand[i:j], slope[i:j] = _top_k(logits, k, mult, cap)
+                    tm = tile_max[0] if tile_max else None
+                    top[i:j], cand[i:j], slope[i:j] = _top_k(logits, k, mult, cap, tm)
         if single:
             grad_h = grad_h[:1] if need_grad else None
             top, cand, slope = top[:1].clone(), cand[:1].clone(), slope[:1].clone()
@@ -137,7 +212,7 @@ class _FusedLinearCE(torch.autograd.Function):
             for i, j in chunk_bounds(grad.shape[0], ctx.chunk):
                 rows = w.index_select(0, cand[i:j].reshape(-1)).view(j - i, -1, w.shape[1])
                 grad[i:j] += (g[i:j, None, :] @ rows)[:, 0].to(grad.dtype)
-        return (grad,) + (None,) * 10
+        return (grad,) + (None,) * 11
 
 
 def fused_weighted_ce_sum(
@@ -169,6 +244,7 @@ def fused_weighted_ce_sum(
         float(output_multiplier),
         cap,
         0,
+        False,
     )
     return loss, correct
 
@@ -188,12 +264,14 @@ def fused_ce_selection_sum(
     softcap: float | None = None,
     lm_head_b_V: torch.Tensor | None = None,
     correct_weights_M: torch.Tensor | None = None,
+    tiles: bool = False,
 ):
     """DFlash2's objective as `losses.ce_selection_sum` (same value and gradients), from the
     fused head: each chunk's logits give the CE's gradient and the selector's top-K candidates in
     one pass, and are neither stored, recomputed nor copied to float32. The selector then scores
     all M positions at once; its term's gradient reaches h through the K head rows of each
-    position's candidates. Returns (loss_sum, weighted_correct_sum)."""
+    position's candidates. `tiles`: the CE stats tile by tile, handing `tiled_topk` its tile
+    maxima (`_ce_stats_tiled`). Returns (loss_sum, weighted_correct_sum)."""
     dtype = dtype or lm_head_w_VH.dtype
     cap = float(softcap) if softcap else None
     loss, correct, top, cand = _FusedLinearCE.apply(
@@ -208,6 +286,7 @@ def fused_ce_selection_sum(
         float(output_multiplier),
         cap,
         min(selector.top_k, lm_head_w_VH.shape[0]),
+        tiles,
     )
     sel = selection_sum(selector, h_MH, top, cand, labels_M, prev_M, weights_M)
     return loss + selection_weight * sel, correct

@@ -59,9 +59,10 @@ class Objective:
         # hard_ce / variable_prefix (and DFlash2's selection, every loss) through the fused head
         # (train.fused_head; auto: on CUDA, where its CE stats are one compiled kernel; on the
         # CPU they run eagerly, slower than the plain path)
-        self.fused = cfg.fused_head == "fused" or (
+        self.fused = cfg.fused_head in ("fused", "tiles") or (
             cfg.fused_head == "auto" and device.type == "cuda"
         )
+        self.tiles = cfg.fused_head == "tiles"  # DFlash2's stats tile by tile (fused_ce)
         if self.selector is not None and cfg.loss == "soft_kl":
             raise ValueError(
                 "train.loss=soft_kl with drafter.variant=dflash2: the selector's loss needs hard "
@@ -152,7 +153,9 @@ class Objective:
                 correct_weights_M=correct_w,
             )
             if self.fused:
-                return fused_ce_selection_sum(h_M, w_lm, labels, weights, *sel, **kw, **fused)
+                return fused_ce_selection_sum(
+                    h_M, w_lm, labels, weights, *sel, **kw, **fused, tiles=self.tiles
+                )
             return ce_selection_sum(
                 h_M, w_lm, labels, weights, *sel, **kw, logit_transform=transform
             )

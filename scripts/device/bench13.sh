@@ -9,7 +9,8 @@
 #   WHAT=regen_prof bash scripts/device/bench13.sh  (regeneration at the recipe's shape, profiled)
 #   WHAT=regen_fuse bash scripts/device/bench13.sh  (data.regen_fuse vs plain, batch 512 and 1024)
 #   WHAT="qwen05 qwen05_dflash2" bash scripts/device/bench13.sh  (DFlash2's step: fused vs plain head)
-#   WHAT="topk qwen05_dflash2" bash scripts/device/bench13.sh  (DFlash2's top-16: torch vs tiled; the step)
+#   WHAT="topk qwen05_dflash2" bash scripts/device/bench13.sh  (DFlash2's top-16: torch vs tiled; the
+#     fused head's pass, row vs tile stats; the step with its fused, plain and tiles heads)
 #   WHAT="drafter27b drafter27b_dflash2" bash scripts/device/bench13.sh  (the 27B drafter step, both)
 source scripts/device/env.sh
 OUT=${OUT:-/tmp/res/bench13}
@@ -31,13 +32,15 @@ for w in ${WHAT:-smollm2 qwen05 drafter27b regen}; do
       timeout 280 python3 benchmarks/bench_loop.py --target $name --rows $rows $LOOP \
         --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
       pack_profile $w ;;
-    qwen05_dflash2)  # the recipe's loop with drafter.variant=dflash2, its fused and plain heads A/B
+    qwen05_dflash2)  # the recipe's loop with drafter.variant=dflash2: its fused, plain and tiles heads
       timeout 280 python3 benchmarks/bench_loop.py --target qwen2_5_coder_0_5b --rows 16 $LOOP \
         --variant dflash2 --head-ab --profile "$OUT/prof_$w" --out "$OUT/loop_$w.json"
       pack_profile $w ;;
-    topk)  # DFlash2's candidates: torch.topk vs tiled_topk at the recipe's chunk, Qwen2.5 and 3.6 vocab
+    topk)  # DFlash2's candidates: torch.topk vs tiled_topk at the recipe's chunk, Qwen2.5 and 3.6
+      # vocab; then the fused head's whole pass over the chunk, row stats vs tile stats (--head)
       for v in 151936 248320; do
-        timeout 120 python3 benchmarks/bench_topk.py --vocab $v --compile inductor --out "$OUT/topk_$v.json"
+        timeout 120 python3 benchmarks/bench_topk.py --vocab $v --out "$OUT/topk_$v.json"
+        timeout 150 python3 benchmarks/bench_topk.py --vocab $v --head --out "$OUT/head_$v.json"
       done ;;
     qwen05_cg)  # the 16-row loop with the drafter step as CUDA graphs vs compiled as now
       timeout 280 python3 benchmarks/bench_loop.py --target qwen2_5_coder_0_5b --rows 16 $LOOP \
