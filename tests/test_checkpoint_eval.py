@@ -113,7 +113,8 @@ def trained_run(tmp_path_factory):
             "run_name=r",
             "train.steps=20",
             "train.save_every=20",
-            "train.eval_every=20",
+            "train.eval_every=10",
+            "train.keep_best=eval/tau",
             "data.num_samples=32",
         ],
         cwd=ROOT,
@@ -174,6 +175,30 @@ def test_eval_cli_table_and_json(trained_run, tmp_path):
     assert {"acc_pos_1", "acc_pos_3", "tau", "dds@8"} <= set(keys)
     for k in keys:
         assert rep["summary"][k] == pytest.approx(last[f"eval/{k}"], abs=1e-9, nan_ok=True), k
+
+
+def test_the_best_checkpoint_is_the_best_eval_and_eval_py_reproduces_it(trained_run, tmp_path):
+    """train.keep_best=eval/tau: checkpoints/best is the drafter of the eval (after step 0) with
+    the highest tau, named in the log, and eval.py on it gives that tau again."""
+    run_dir, stdout = trained_run
+    evals = [json.loads(x) for x in open(run_dir / "metrics.jsonl") if "eval/tau" in x]
+    assert [e["step"] for e in evals] == [0, 10, 20]
+    top = max(evals[1:], key=lambda e: e["eval/tau"])  # max() keeps the first of equals
+    best = run_dir / "checkpoints" / "best"
+    kept = json.load(open(best / "manifest.json"))["run"]
+    assert kept == {"step": top["step"], "best_metric": "eval/tau", "best_value": top["eval/tau"]}
+    assert f"best: {best} (eval/tau {top['eval/tau']:.4f} at step {top['step']})" in stdout
+    out = tmp_path / "rep.json"
+    r = subprocess.run(
+        [sys.executable, "eval.py", f"ckpt={best}", f"out={out}", f"eval_dir={tmp_path}/ev"]
+        + ["logger=none"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.load(open(out))["summary"]["tau"] == pytest.approx(top["eval/tau"], abs=1e-9)
 
 
 def test_eval_cli_real_decoding(trained_run, tmp_path):

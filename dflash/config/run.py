@@ -93,6 +93,11 @@ class RunConfig:
                 f"train.prefix_min={t.prefix_min} leaves no drafted position to learn in a block "
                 f"of drafter.block_size={B}; use a value in 1..{B - 1}"
             )
+        if t.keep_best and not self.eval.enabled:
+            raise ValueError(
+                f"train.keep_best={t.keep_best!r} needs the in-loop eval: set eval.enabled=true, "
+                "or train.keep_best='' (keep no best)"
+            )
         return self
 
 

@@ -57,6 +57,9 @@ class TrainConfig:
     eval_every: int = 100  # steps between evals
     save_every: int = 100  # steps between saves
     keep_last: int = 2  # checkpoints kept
+    # an in-loop eval figure (eval/tau, eval/<set>/tau): the drafter of the eval that scored
+    # highest on it is kept in checkpoints/best (dflash/train/resume.py); "" keeps none
+    keep_best: str = ""
     profile_at: int = 0  # > 0: torch.profiler over steps profile_at.. into RUN/profile (loop.py)
     profile_steps: int = 5  # steps that profile covers
     save_on_interrupt: bool = True  # Ctrl-C: finish the step, save it, print the resume command
@@ -71,6 +74,11 @@ class TrainConfig:
         check_choice("train.fused_head", self.fused_head, ("auto", "fused", "tiles", "plain"))
         check_choice("train.dist", self.dist, ("ddp", "fsdp", "deepspeed"))
         check_choice("train.zero_stage", self.zero_stage, (1, 2, 3))
+        if self.keep_best and not self.keep_best.startswith("eval/"):
+            raise ValueError(
+                f"train.keep_best={self.keep_best!r} is not an in-loop eval figure: name one as "
+                "it is logged (eval/tau, eval/stdlib_heldout/tau), or '' to keep no best"
+            )
         if self.loss == "soft_kl" and not self.allow_soft_loss:
             raise ValueError(
                 "train.loss=soft_kl trains a soft objective while acceptance is judged by the "

@@ -17,7 +17,7 @@ from ..config import RunConfig
 from ..data.batch import TargetBatch, agreement_warning
 from ..data.stream import SampleStream
 from .budget import phase_done, startup_phases
-from .resume import save_checkpoint
+from .resume import BestCheckpoint, save_checkpoint
 from .step import DrafterTrainer
 
 
@@ -61,6 +61,7 @@ def train_loop(
     fresh = budget is not None and budget.train_t0 is None
     if budget is not None:
         budget.start_training()
+    best = BestCheckpoint(run_dir, tc.keep_best, trainer.step, writer) if tc.keep_best else None
     if cfg.eval.enabled and trainer.step == 0:
         drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
     if evaluator is not None and trainer.step == 0:
@@ -69,6 +70,8 @@ def train_loop(
             first_eval = evaluator.run(drafter, trainer.heads)
         logger.log({**first_eval, **clock}, step=0)
         _log_reports(logger, evaluator, 0)
+        if best is not None:  # an unknown figure stops the run here, before any training
+            best.check(first_eval)
         phase_done("step-0 eval")
     if fresh:
         _report_start(budget, logger)
@@ -82,7 +85,6 @@ def train_loop(
     )
     stop = StopRequest()
     interrupted = None
-    first = True  # this process's first step: kernels compile there (flex attention, compile)
     clock = StepClock(trainer.device)
     health = Health(trainer.device, tc.lr)
     rank_dir = f"rank{torch.distributed.get_rank()}" if trainer.dp_world > 1 else ""
@@ -103,13 +105,13 @@ def train_loop(
                 last,
                 stop,
                 clock,
-                first,
                 health,
+                best,
             )
             stopping = stop_at is not None and trainer.step >= stop_at
             prof.after(trainer.step, last=final or interrupted is not None or stopping)
-            if first:
-                first = False
+            if clock.first:
+                clock.first = False
                 logger.info(
                     f"first step: {last['perf/target_s'] + last['perf/drafter_s']:.1f} s "
                     f"(target {last['perf/target_s']:.1f} s, drafter {last['perf/drafter_s']:.1f} s)"
@@ -136,6 +138,8 @@ def train_loop(
         )
     if writer and interrupted is None:
         _plot(run_dir, logger)
+    if writer and best is not None and best.step is not None:
+        logger.info(f"best: {best.path} ({best.metric} {best.value:.4f} at step {best.step})")
     _summarize(logger, last, first_eval)
     if interrupted is not None:
         raise interrupted
@@ -240,6 +244,7 @@ class StepClock:
         self.device, self.cuda = device, device.type == "cuda"
         self.marks: list = []
         self.busy_s = 0.0  # host time of the steps since the last log step, and the final wait
+        self.first = True  # this process's first step: kernels compile there (flex, compile)
 
     def mark(self) -> None:
         if self.cuda:
@@ -259,10 +264,11 @@ class StepClock:
 
 
 def _step(
-    cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, first, health
+    cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, health, best
 ):
-    """One step: train; maybe log, eval, save. Returns (Interrupted when Ctrl-C asked to stop,
-    whether this was the last step: train.steps reached or the time budget spent)."""
+    """One step: train; maybe log, eval (and keep the best), save. Returns (Interrupted when
+    Ctrl-C asked to stop, whether this was the last step: train.steps reached or the time budget
+    spent)."""
     tc = cfg.train
     budget = trainer.budget
     b0 = budget.now() if budget is not None else None
@@ -291,7 +297,7 @@ def _step(
         metrics["time/budget_progress"] = budget.progress()
     bar.update(1)
     log = step % tc.log_every == 0 or final
-    if log or first:  # the first step is read for its timing line (kernels compile there)
+    if log or clock.first:  # the first step is read for its timing line (kernels compile there)
         t_read = time.perf_counter()
         metrics.update(figures.read())  # the step's figures: the only host sync of the interval
         metrics["perf/target_s"], metrics["perf/drafter_s"] = clock.parts()
@@ -317,12 +323,16 @@ def _step(
             logger.info(warning)
     drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
     if evaluator is not None and evaluate:
-        clock = _clock(budget)
+        at = _clock(budget)
         with _timed(budget, "eval"):
             ev = evaluator.run(drafter, trainer.heads)
-        logger.log({**ev, **clock}, step)
+        logger.log({**ev, **at}, step)
         _log_reports(logger, evaluator, step)
         last.update(ev)
+        if best is not None:
+            with _timed(budget, "save"):
+                if best.offer(step, ev, drafter, writer) and writer:
+                    logger.info(f"best {best.metric} so far: {best.value:.4f}; kept")
     shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
     if save and (writer or shards is not None):
         ended = "steps" if step == tc.steps else "budget" if out_of_time else None

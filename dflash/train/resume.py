@@ -4,10 +4,19 @@ RNG, stream position), written atomically; resume restores all of it on every ra
 
 A step directory is written under a temporary name and renamed into place, so a crash leaves
 either the previous checkpoint or the new one, never a half-written one.
+
+`train.keep_best=FIGURE` (`BestCheckpoint`): beside the periodic checkpoints, the drafter of the
+eval that scored highest on one in-loop eval figure, in `checkpoints/best` (serving files only,
+no resume state). A budgeted run can go past its peak: SmolLM2-135M's 20-minute DFlash2 run
+scored 4.153 at 17 epochs and 4.098 at its last step (docs/history/2026-12-06.md). Selecting by
+the prompts that also report the figure overstates it: name a held-out set's figure
+(`eval/stdlib_heldout/tau`). The directory is replaced atomically, and on resume a best kept at
+a later step than the one resumed from is forgotten (those steps are trained again).
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 import shutil
@@ -25,7 +34,7 @@ from ..common.layout import (
     newest_run_of,
     note_layout_change,
 )
-from ..common.manifest import verify_manifest, write_manifest
+from ..common.manifest import read_manifest, verify_manifest, write_manifest
 from ..config import RunConfig
 from ..data.stream import SampleStream
 from ..drafter.checkpoint import check_finite, load_drafter, read_drafter_config, save_drafter
@@ -274,3 +283,72 @@ def resume(
     if state is not None:
         _load_weights(trainer, state)
     return start
+
+
+# ------------------------------------------------------------------------ train.keep_best
+
+BEST_DIR = "best"
+
+
+class BestCheckpoint:
+    """`checkpoints/best` and the figure it was kept for (train.keep_best; module docstring)."""
+
+    def __init__(self, run_dir: str, metric: str, resumed_step: int, writer: bool = True):
+        self.metric = metric
+        self.path = os.path.join(run_dir, "checkpoints", BEST_DIR)
+        self.value: float | None = None
+        self.step: int | None = None
+        if writer:
+            self._recover()
+        kept = (read_manifest(self.path) or {}).get("run") or {}
+        if kept.get("best_metric") == metric and kept.get("step", resumed_step + 1) <= resumed_step:
+            self.value, self.step = float(kept["best_value"]), int(kept["step"])
+
+    def check(self, metrics: dict) -> None:
+        """The metric is one this run's eval reports (the step-0 eval: before any training)."""
+        if self.metric not in metrics:
+            names = sorted(k for k in metrics if k.startswith("eval/") and "@" not in k)
+            raise ValueError(
+                f"train.keep_best={self.metric!r} is not a figure this run's eval reports; "
+                f"choose one of {names}"
+            )
+
+    def offer(self, step: int, metrics: dict, drafter, writer: bool = True) -> bool:
+        """Keep `drafter` when `metrics[metric]` beats every earlier eval's (ties keep the
+        earlier). Every rank calls it with the same all-reduced figures; the writer writes."""
+        self.check(metrics)
+        value = float(metrics[self.metric])
+        if self.value is not None and not value > self.value:
+            return False
+        self.value, self.step = value, step
+        if writer:
+            self._write(step, value, drafter)
+        return True
+
+    def _recover(self) -> None:
+        """A process killed between moving the old `best` aside and renaming the new one into
+        place left `.best.oldPID` and no `best`: put it back (any other old copy goes; a
+        `.best.tmpPID` is removed with the run's other leftovers when it starts)."""
+        root = os.path.dirname(self.path)
+        olds = sorted(glob.glob(os.path.join(root, f".{BEST_DIR}.old*")), key=os.path.getmtime)
+        if olds and not os.path.exists(self.path):
+            os.replace(olds.pop(), self.path)
+        for old in olds:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _write(self, step: int, value: float, drafter) -> None:
+        root = os.path.dirname(self.path)
+        os.makedirs(root, exist_ok=True)
+        tmp = os.path.join(root, f".{BEST_DIR}.tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            save_drafter(tmp, drafter, manifest=False)
+            write_manifest(tmp, {"step": step, "best_metric": self.metric, "best_value": value})
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = os.path.join(root, f".{BEST_DIR}.old{os.getpid()}")
+        if os.path.exists(self.path):  # never a moment without a whole `best`
+            os.replace(self.path, old)
+        os.replace(tmp, self.path)
+        shutil.rmtree(old, ignore_errors=True)
