@@ -31,6 +31,16 @@ from ..drafter.topk import TILE, tiled_topk
 from .losses import selection_sum
 
 
+def _transformed(raw: torch.Tensor, mult: float, cap: float | None):
+    """(x, d x / d raw): the drafter's logit transform (x mult, then cap * tanh(. / cap)) in
+    float32."""
+    x = raw.float() * mult
+    if cap is None:
+        return x, mult
+    t = torch.tanh(x / cap)
+    return t * cap, mult * (1 - t * t)
+
+
 def _ce_stats(
     logits_cV: torch.Tensor,
     labels_c: torch.Tensor,
@@ -41,11 +51,7 @@ def _ce_stats(
 ):
     """(weighted CE sum, weighted correct sum, d loss / d logits in the logits' dtype), with the
     drafter's logit transform (x mult, then cap * tanh(. / cap)) applied and differentiated."""
-    x = logits_cV.float() * mult
-    dxdl = mult
-    if cap is not None:
-        t = torch.tanh(x / cap)
-        x, dxdl = t * cap, mult * (1 - t * t)
+    x, dxdl = _transformed(logits_cV, mult, cap)
     lse = torch.logsumexp(x, dim=-1)
     tgt = x.gather(1, labels_c[:, None])[:, 0]
     loss = ((lse - tgt) * weights_c).sum()
@@ -54,16 +60,6 @@ def _ce_stats(
     onehot = torch.zeros_like(p).scatter_(1, labels_c[:, None], 1.0)
     grad = ((p - onehot) * weights_c[:, None] * dxdl).to(logits_cV.dtype)
     return loss, correct, grad
-
-
-def _transformed(raw: torch.Tensor, mult: float, cap: float | None):
-    """(x, d x / d raw): the drafter's logit transform (x mult, then cap * tanh(. / cap)) in
-    float32."""
-    x = raw.float() * mult
-    if cap is None:
-        return x, mult
-    t = torch.tanh(x / cap)
-    return t * cap, mult * (1 - t * t)
 
 
 def _ce_stats_tiled(
@@ -116,11 +112,8 @@ def _top_k(
     d logit [c, k]). The transform is increasing, so the raw logits' top-k are its top-k.
     `tile_max`: the raw logits' tile maxima, where the CE stats formed them."""
     v, idx = tiled_topk(logits_cV, k, tile=TILE, tile_max=tile_max)
-    x = v.float() * mult
-    if cap is None:
-        return x, idx, torch.full_like(x, mult)
-    t = torch.tanh(x / cap)
-    return t * cap, idx, mult * (1 - t * t)
+    x, slope = _transformed(v, mult, cap)
+    return x, idx, torch.full_like(x, mult) if cap is None else slope
 
 
 def chunk_bounds(M: int, chunk: int) -> list[tuple[int, int]]:
