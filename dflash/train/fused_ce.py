@@ -128,8 +128,8 @@ def chunk_bounds(M: int, chunk: int) -> list[tuple[int, int]]:
 
 
 @functools.cache
-def _compiled_stats(tiled: bool = False):
-    return torch.compile(_ce_stats_tiled if tiled else _ce_stats, dynamic=True)
+def _compiled(stats):
+    return torch.compile(stats, dynamic=True)
 
 
 def uses_tiles(V: int, k: int, tiles: bool) -> bool:
@@ -147,11 +147,8 @@ class _FusedLinearCE(torch.autograd.Function):
     def forward(
         ctx, h_MH, w_VH, b_V, labels_M, weights_M, correct_w_M, chunk, dtype, mult, cap, k, tiles
     ):
-        tiled = uses_tiles(w_VH.shape[0], k, tiles)
-        if h_MH.is_cuda:
-            stats = _compiled_stats(tiled)
-        else:
-            stats = _ce_stats_tiled if tiled else _ce_stats
+        stats = _ce_stats_tiled if uses_tiles(w_VH.shape[0], k, tiles) else _ce_stats
+        stats = _compiled(stats) if h_MH.is_cuda else stats  # eager on CPU
         need_grad = ctx.needs_input_grad[0]
         single = h_MH.shape[0] == 1
         if single:  # one row: a zero-weight copy as a second keeps the compiled shape general

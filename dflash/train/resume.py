@@ -126,15 +126,21 @@ def save_checkpoint(
     return final
 
 
-def _put_in_place(root: str, name: str, tmp: str, keep_last: int) -> None:
+def _swap_in(root: str, name: str, tmp: str) -> None:
+    """Rename the finished directory `tmp` to root/name; an existing one is moved aside first
+    (`.NAME.oldPID`) and removed after, so root/name is never half-written."""
     final = os.path.join(root, name)
-    if os.path.exists(final):  # move the old one aside first: `final` is never half-written
+    if os.path.exists(final):
         old = os.path.join(root, f".{name}.old{os.getpid()}")
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def _put_in_place(root: str, name: str, tmp: str, keep_last: int) -> None:
+    _swap_in(root, name, tmp)
     latest_tmp = os.path.join(root, f".latest.tmp{os.getpid()}")
     with open(latest_tmp, "w") as f:
         f.write(name + "\n")
@@ -347,8 +353,4 @@ class BestCheckpoint:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        old = os.path.join(root, f".{BEST_DIR}.old{os.getpid()}")
-        if os.path.exists(self.path):  # never a moment without a whole `best`
-            os.replace(self.path, old)
-        os.replace(tmp, self.path)
-        shutil.rmtree(old, ignore_errors=True)
+        _swap_in(root, BEST_DIR, tmp)
