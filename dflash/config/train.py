@@ -45,7 +45,8 @@ class TrainConfig:
     lm_head_chunk: int = 2048  # positions per chunk of the lm_head + CE
     # the lm_head + CE of hard_ce, variable_prefix and DFlash2's selection: fused (the gradient
     # formed in the forward, dflash.train.fused_ce) | plain (checkpointed) | auto (fused on CUDA)
-    # | tiles (fused, DFlash2's CE stats tile by tile, giving tiled_topk its tile maxima)
+    # | tiles (fused, DFlash2's CE stats tile by tile, giving tiled_topk its tile maxima:
+    # 1.38x on CPU, 0.93x on an H100)
     fused_head: str = "auto"
     attn_kernel: str = "auto"  # drafter attention: flex (block-sparse) | sdpa (dense) | auto
     compile: bool = False  # the drafter as one static compiled graph (rows padded to max_length)
