@@ -98,6 +98,28 @@ def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["r"]
 
 
+def test_a_run_dir_moved_elsewhere_resumes_where_it_now_is(tmp_path, capsys):
+    """A run directory copied to another machine or path (a preempted job restarted elsewhere;
+    the device relay, scripts/device/README.md) resumes in its new place: its cache is read there,
+    its checkpoints and metrics go on there, and nothing is written under the old out_root."""
+    from dflash.run.launcher import launch
+    from dflash.train.colocated import run_colocated
+
+    old = tmp_path / "old"
+    run_colocated(typed(old, "run_name=r", "train.steps=6"), str(old / "r"), stop_at=4)
+    new = tmp_path / "elsewhere" / "moved"
+    new.parent.mkdir()
+    os.rename(old / "r", new)
+    capsys.readouterr()
+    # what `train.py resume=NEW` composes: the run's own overrides (out_root=OLD) + resume
+    launch(compose(old, "train.steps=6", f"resume={new}"))
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "at step 3" in out and "from cache" in out
+    assert sorted(os.listdir(new / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
+    assert [json.loads(x)["step"] for x in open(new / "metrics.jsonl") if "loss" in x][-1] == 6
+    assert os.listdir(old) == []
+
+
 def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, tmp_path):
     """The newest run of this experiment is continued in its own dir; no new dir is made."""
     import dflash.run.launcher as launch_mod

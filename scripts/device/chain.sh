@@ -8,9 +8,20 @@ cd /tmp/repo && source scripts/device/env.sh
 # such step); its time goes to the status file.
 convert_target
 date +%s > /tmp/res/t0
-env TORCH_LOGS=recompiles python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs \
-  train.time_budget_min=$BUDGET $EXTRA > /tmp/res/train.out 2>&1
-echo "train rc=$? $(date +%s)" >> /tmp/res/status
+# A run longer than one session's device time goes in relay legs: STOP_AFTER_S=N sends SIGTERM
+# after N s (the step finishes and is saved, exit 143) and packs the run directory for
+# fetch_pack.sh; RESUME=1 continues the run start_run.sh unpacked (its budget's clock goes on).
+cmd=(python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs train.time_budget_min=$BUDGET $EXTRA)
+[ "${RESUME:-0}" = 1 ] && cmd=(python3 train.py resume=/tmp/runs/main $EXTRA)
+[ -n "${STOP_AFTER_S:-}" ] && cmd=(timeout --foreground --preserve-status -s TERM -k 300 "$STOP_AFTER_S" "${cmd[@]}")
+env TORCH_LOGS=recompiles "${cmd[@]}" > /tmp/res/train.out 2>&1
+rc=$?
+echo "train rc=$rc $(date +%s)" >> /tmp/res/status
+if [ "$rc" = 143 ] && [ -n "${STOP_AFTER_S:-}" ]; then  # stopped before its budget: pack, no eval
+  bash scripts/device/pack_run.sh >> /tmp/res/status 2>&1
+  touch /tmp/res/done
+  exit 0
+fi
 ck=$(ls -d /tmp/runs/main/checkpoints/step_* | tail -1)
 echo "ckpt $ck" >> /tmp/res/status
 # One eval.py for every set, so the target loads once: HumanEval with real decoding (RD prompts);

@@ -2,7 +2,7 @@
 export PYTHONUNBUFFERED=1 DFLASH_ASSETS=/tmp/a DFLASH_NO_PROGRESS=1 WANDB_MODE=disabled
 export TRANSFORMERS_VERBOSITY=warning
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p /tmp/a/parts /tmp/a/humaneval /tmp/a/qwen05 /tmp/a/smollm2 /tmp/a/sharegpt /tmp/res
+mkdir -p /tmp/a/parts /tmp/a/humaneval /tmp/a/qwen05 /tmp/a/smollm2 /tmp/a/sharegpt /tmp/a/state /tmp/res
 if [ ! -d /tmp/site ] && [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || echo "WHEEL INSTALL FAILED"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# There, at the start of a later relay leg (start_run.sh with RESUME=1): the uploaded chunks of the
+# stopped run ($STATE/st_NN and SHA256, from relay_collect.sh) checked and unpacked to $RUNS/main.
+#   STATE=/tmp/a/state RUNS=/tmp/runs bash scripts/device/unpack_state.sh
+STATE=${STATE:-/tmp/a/state} RUNS=${RUNS:-/tmp/runs}
+(cd "$STATE" && ls st_* > /dev/null 2>&1 && cat st_* > run.tgz && sha256sum --quiet -c SHA256) || {
+  rm -f "$STATE/run.tgz"
+  echo "STATE INCOMPLETE OR BROKEN: upload every .st/st_NN and .st/SHA256 to $STATE"
+  exit 1
+}
+rm -rf "$RUNS/main" && mkdir -p "$RUNS" && tar -C "$RUNS" -xzf "$STATE/run.tgz" || exit 1
+rm "$STATE/run.tgz"
+echo "unpacked $RUNS/main: $(cat "$RUNS"/main/checkpoints/latest 2>/dev/null)"

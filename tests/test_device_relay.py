@@ -1,0 +1,101 @@
+"""A run longer than one session's device time goes in relay legs (scripts/device): the stopped
+run's directory is packed into parts a call can bring back, collected here into upload chunks,
+and unpacked on the next machine. The round trip must give back every file byte for byte (but the
+run lock and the profile), and refuse a missing part or a damaged chunk instead of resuming from
+a broken run directory."""
+
+import hashlib
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEVICE = os.path.join(ROOT, "scripts", "device")
+
+
+def _sh(script, env, *args, check=True):
+    r = subprocess.run(
+        ["bash", os.path.join(DEVICE, script), *args],
+        cwd=ROOT,
+        env={**os.environ, **{k: str(v) for k, v in env.items()}},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if check:
+        assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def _tree(root):
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
+    return out
+
+
+@pytest.fixture
+def packed(tmp_path):
+    """A stopped run's directory (random bytes where the weights and optimizer would be), packed
+    in 100 kB parts and fetched in calls of 4 parts, as on the device."""
+    run = tmp_path / "runs" / "main"
+    ck = run / "checkpoints" / "step_00000007"
+    ck.mkdir(parents=True)
+    (ck / "train_state.pt").write_bytes(os.urandom(800_000))
+    (ck / "model.safetensors").write_bytes(os.urandom(90_000))
+    (run / "checkpoints" / "latest").write_text("step_00000007")
+    (run / "data").mkdir()
+    (run / "data" / "train-abc.pt").write_bytes(bytes(range(256)) * 400)
+    (run / "metrics.jsonl").write_text('{"step": 7}\n')
+    (run / "run.lock").write_text('{"pid": 1}\n')
+    (run / "profile").mkdir()
+    (run / "profile" / "trace.json").write_text("{}")
+    pack = tmp_path / "pack"
+    r = _sh("pack_run.sh", {"RUNS": tmp_path / "runs", "PACK": pack, "PART_BYTES": 100_000})
+    assert r.stdout.startswith("pack rc=0 9 parts"), r.stdout  # ~0.9 MB of random bytes
+    calls = []
+    for i in range(3):
+        out = tmp_path / f"call{i}"
+        out.mkdir()
+        r = _sh("fetch_pack.sh", {"PACK": pack, "I": i, "OUT": out})
+        assert len(os.listdir(out)) == (5 if i < 2 else 2)  # 4 parts (1 in the last) + SHA256
+        calls.append(out)
+    assert "ALL PARTS FETCHED" in r.stdout
+    assert _sh("fetch_pack.sh", {"PACK": pack, "I": 3, "OUT": out}, check=False).returncode == 2
+    return run, calls
+
+
+def test_a_packed_run_comes_back_byte_for_byte(tmp_path, packed):
+    run, calls = packed
+    st = tmp_path / "st"
+    # the fetched folders in any order; upload chunks of 250 kB (58 MB on the device)
+    _sh("relay_collect.sh", {"ST": st, "CHUNK_BYTES": 250_000}, *map(str, calls[::-1]))
+    assert sorted(os.listdir(st)) == ["SHA256", "st_00", "st_01", "st_02", "st_03"]
+    r = _sh("unpack_state.sh", {"STATE": st, "RUNS": tmp_path / "next"})
+    assert "step_00000007" in r.stdout
+    want = {k: v for k, v in _tree(run).items() if k != "run.lock" and not k.startswith("profile")}
+    assert _tree(tmp_path / "next" / "main") == want
+    assert not (st / "run.tgz").exists()
+
+
+def test_a_missing_part_or_a_damaged_chunk_is_refused(tmp_path, packed):
+    _, calls = packed
+    st = tmp_path / "st"
+    for given in (calls[1:], calls[:2]):  # the first call's parts missing; the last call's
+        r = _sh("relay_collect.sh", {"ST": st}, *map(str, given), check=False)
+        assert r.returncode == 1 and ("is missing" in r.stderr or "do not match" in r.stderr)
+        assert not st.exists()
+    _sh("relay_collect.sh", {"ST": st, "CHUNK_BYTES": 250_000}, *map(str, calls))
+    chunk = st / "st_01"
+    data = bytearray(chunk.read_bytes())
+    data[1000] ^= 1
+    chunk.write_bytes(bytes(data))
+    next_runs = tmp_path / "next"
+    r = _sh("unpack_state.sh", {"STATE": st, "RUNS": next_runs}, check=False)
+    assert r.returncode == 1 and "STATE INCOMPLETE OR BROKEN" in r.stdout
+    assert not next_runs.exists() and not (st / "run.tgz").exists()
+    os.remove(st / "st_03")  # a chunk not uploaded
+    assert _sh("unpack_state.sh", {"STATE": st, "RUNS": next_runs}, check=False).returncode == 1
