@@ -1,5 +1,5 @@
 """train.keep_best: checkpoints/best holds the drafter of the eval that scored highest on the
-named figure, replaced atomically, forgotten on resume when it lies past the resumed step."""
+named figure, replaced atomically, removed on resume when it lies past the resumed step."""
 
 import os
 
@@ -62,9 +62,47 @@ def test_resume_keeps_a_best_from_before_and_forgets_one_from_after(tiny_qwen, t
     after = BestCheckpoint(str(tmp_path), "eval/tau", resumed_step=40)
     assert (after.value, after.step) == (3.0, 30)
     assert not after.offer(50, {"eval/tau": 2.9}, make_drafter(tiny_qwen))
+    other = BestCheckpoint(str(tmp_path), "eval/other/tau", resumed_step=40, writer=False)
+    assert other.value is None and (tmp_path / "checkpoints" / "best").is_dir()  # reads only
     replayed = BestCheckpoint(str(tmp_path), "eval/tau", resumed_step=20)  # steps 21.. again
     assert replayed.value is None
-    assert BestCheckpoint(str(tmp_path), "eval/other/tau", resumed_step=40).value is None
+    # removed from disk too when the loop starts: eval.py ckpt=RUN/checkpoints/best (or a relay
+    # leg's pack) never reads a drafter of the discarded steps
+    line = replayed.start(["eval/"])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == []
+    assert line.startswith("best: removed ") and "eval/tau at step 30; resumed at step 20" in line
+
+
+def test_a_best_kept_for_another_figure_is_removed_on_resume(tiny_qwen, tmp_path):
+    BestCheckpoint(str(tmp_path), "eval/tau", 0).offer(
+        30, {"eval/tau": 3.0}, make_drafter(tiny_qwen)
+    )
+    keep = BestCheckpoint(str(tmp_path), "eval/chat/tau", resumed_step=40)
+    with pytest.raises(ValueError, match="names no set"):  # a refused figure removes nothing
+        keep.start(["eval/"])
+    assert keep.value is None and (tmp_path / "checkpoints" / "best").is_dir()
+    assert keep.start(["eval/code/", "eval/chat/"]).startswith("best: removed ")
+    assert not (tmp_path / "checkpoints" / "best").exists()
+    assert keep.offer(50, {"eval/chat/tau": 1.5}, make_drafter(tiny_qwen))
+
+
+def test_a_non_finite_figure_is_never_kept(tiny_qwen, tmp_path):
+    keep = BestCheckpoint(str(tmp_path), "eval/tau", resumed_step=0)
+    assert not keep.offer(10, {"eval/tau": float("nan")}, make_drafter(tiny_qwen))
+    assert keep.value is None and not (tmp_path / "checkpoints").exists()
+    assert keep.offer(20, {"eval/tau": 1.5}, make_drafter(tiny_qwen))
+    assert not keep.offer(30, {"eval/tau": float("inf")}, make_drafter(tiny_qwen))
+    assert keep.step == 20
+
+
+def test_the_figure_must_name_one_of_the_eval_sets(tmp_path):
+    """Checked when the loop starts (a resume whose eval.sets dropped the set stops there)."""
+    assert BestCheckpoint(str(tmp_path), "eval/tau", 0).start(["eval/"]) is None
+    BestCheckpoint(str(tmp_path), "eval/chat/tau@4", 0).start(["eval/code/", "eval/chat/"])
+    with pytest.raises(ValueError, match="names no set of this run's eval .*eval/code/"):
+        BestCheckpoint(str(tmp_path), "eval/chat/tau", 0).start(["eval/code/"])
+    with pytest.raises(ValueError, match="names no set"):  # a set's figure, unnamed-set run
+        BestCheckpoint(str(tmp_path), "eval/chat/tau", 0).start(["eval/"])
 
 
 def test_a_failed_write_leaves_the_previous_best_whole(tiny_qwen, tmp_path, monkeypatch):
@@ -108,6 +146,7 @@ def test_a_kill_between_the_two_renames_loses_no_best(tiny_qwen, tmp_path):
     [
         (["train.keep_best=tau"], r"train.keep_best='tau' is not an in-loop eval figure"),
         (["train.keep_best=eval/tau", "eval.enabled=false"], "needs the in-loop eval"),
+        (["train.keep_best=eval/code/num_rounds"], "is a count, not a score"),
     ],
 )
 def test_bad_keep_best_settings_are_refused(over, match):

@@ -99,3 +99,12 @@ def test_a_missing_part_or_a_damaged_chunk_is_refused(tmp_path, packed):
     assert not next_runs.exists() and not (st / "run.tgz").exists()
     os.remove(st / "st_03")  # a chunk not uploaded
     assert _sh("unpack_state.sh", {"STATE": st, "RUNS": next_runs}, check=False).returncode == 1
+
+
+def test_a_run_stopped_before_its_first_save_is_not_packed(tmp_path):
+    (tmp_path / "runs" / "main" / "data").mkdir(parents=True)
+    pack = tmp_path / "pack"
+    r = _sh("pack_run.sh", {"RUNS": tmp_path / "runs", "PACK": pack}, check=False)
+    assert r.returncode == 1 and "has no checkpoint: nothing to resume" in r.stdout
+    r = _sh("fetch_pack.sh", {"PACK": pack, "I": 0, "OUT": tmp_path}, check=False)
+    assert r.returncode == 3 and "NO PACK ON THIS MACHINE" in r.stdout

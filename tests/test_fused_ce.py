@@ -262,6 +262,27 @@ def test_tiled_stats_equal_the_row_stats(dtype, transform):
     assert torch.equal(tmax, x.view(c, n, T).amax(-1))
 
 
+@pytest.mark.parametrize("transform", [False, True])
+def test_tiled_stats_of_a_masked_tile_are_finite(transform):
+    """A tile whose logits are all -inf (a masked block of padded vocabulary) adds nothing to
+    the log-sum-exp: the tiled stats stay equal to the row stats instead of turning NaN."""
+    from dflash.train.fused_ce import _ce_stats, _ce_stats_tiled
+
+    g = torch.Generator().manual_seed(11)
+    c, T, n = 6, 8, 5
+    x = torch.randn(c, n * T, generator=g, dtype=torch.float64) * 3
+    x[:, :T] = float("-inf")  # tile 0 masked on every row
+    x[2, 3 * T : 4 * T] = float("-inf")  # and tile 3 on one row
+    labels = torch.randint(T, n * T, (c,), generator=g)
+    labels[2] = T  # never a masked column
+    w = torch.rand(c, generator=g)
+    m, cap = (0.7, 3.0) if transform else (1.0, None)
+    l1, c1, g1 = _ce_stats(x, labels, w, w, m, cap)
+    l2, c2, g2, _ = _ce_stats_tiled(x, labels, w, w, m, cap, tile=T)
+    assert torch.isfinite(l2) and torch.allclose(l1, l2, rtol=1e-6) and torch.equal(c1, c2)
+    assert torch.allclose(g1, g2, rtol=1e-6, atol=1e-6)  # the stats run in fp32
+
+
 def test_tiled_topk_takes_the_tile_maxima_it_is_given():
     """tiled_topk(x, k, tile_max=...) reads the maxima it is handed (a pass over x formed them):
     the same values as torch.topk with the true maxima; maxima that point at other tiles give

@@ -120,6 +120,33 @@ def test_a_run_dir_moved_elsewhere_resumes_where_it_now_is(tmp_path, capsys):
     assert os.listdir(old) == []
 
 
+def test_keep_best_may_change_at_resume_but_must_name_a_set_of_the_eval(tmp_path, capsys):
+    """train.keep_best is checked against the eval's sets when the loop starts, a resume too
+    (eval.sets may change there): a figure of no set stops it before any training. Another
+    figure is fine: the best kept for the old one is removed, with a line."""
+    from dflash.run.launcher import launch
+    from dflash.train.colocated import run_colocated
+
+    run_dir = tmp_path / "r"
+    ev = ["eval.enabled=true", "train.eval_every=2", "train.save_every=2", "train.steps=6"]
+    run_colocated(
+        typed(tmp_path, "run_name=r", *ev, "train.keep_best=eval/tau"), str(run_dir), stop_at=4
+    )
+    kept = json.load(open(run_dir / "checkpoints" / "best" / "manifest.json"))["run"]
+    assert kept["best_metric"] == "eval/tau" and kept["step"] in (2, 4)
+    rows = open(run_dir / "metrics.jsonl").read()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        launch(compose(tmp_path, "run_name=r", *ev, "resume=true", "train.keep_best=eval/x/tau"))
+    assert "train.keep_best='eval/x/tau' names no set of this run's eval" in capsys.readouterr().err
+    assert open(run_dir / "metrics.jsonl").read() == rows  # not one step trained
+    capsys.readouterr()
+    launch(compose(tmp_path, "run_name=r", *ev, "resume=true", "train.keep_best=eval/tau@4"))
+    assert "best: removed " in capsys.readouterr().out
+    kept = json.load(open(run_dir / "checkpoints" / "best" / "manifest.json"))["run"]
+    assert kept["best_metric"] == "eval/tau@4" and kept["step"] == 6
+
+
 def test_resume_true_without_run_name_continues_in_the_runs_own_dir(tiny_qwen, tmp_path):
     """The newest run of this experiment is continued in its own dir; no new dir is made."""
     import dflash.run.launcher as launch_mod

@@ -80,6 +80,11 @@ class TrainConfig:
                 f"train.keep_best={self.keep_best!r} is not an in-loop eval figure: name one as "
                 "it is logged (eval/tau, eval/stdlib_heldout/tau), or '' to keep no best"
             )
+        if self.keep_best.rsplit("/", 1)[-1].startswith("num_"):
+            raise ValueError(
+                f"train.keep_best={self.keep_best!r} is a count, not a score (the best is the "
+                "highest): name a tau, streak, dds@B or acc_pos_K figure"
+            )
         if self.loss == "soft_kl" and not self.allow_soft_loss:
             raise ValueError(
                 "train.loss=soft_kl trains a soft objective while acceptance is judged by the "

@@ -242,6 +242,10 @@ class Evaluator:
         sets = build_eval_sets(cfg, target, cache_dir, log)
         return cls(sets, e.budgets, e.temperatures, e.top_p, e.top_k)
 
+    def prefixes(self) -> list[str]:
+        """What each set's figures start with (eval/ or eval/<set>/)."""
+        return [metric_prefix(name) for name in self.sets]
+
     def run(self, drafter, heads) -> dict:
         from ..drafter.checkpoint import EXPORT_DTYPE
 

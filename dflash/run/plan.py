@@ -58,6 +58,7 @@ SAFE_KEYS = (
     "train.eval_every",
     "train.save_every",
     "train.keep_last",
+    "train.keep_best",  # which drafter to keep aside; a kept best for another figure is removed
     # the sample order is by absolute position: another layout may cut it into steps differently
     "train.micro_batch_size",
     "train.grad_accum",

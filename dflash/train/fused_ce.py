@@ -84,10 +84,13 @@ def _ce_stats_tiled(
     raw_max = raw.amax(-1)
     x3, _ = _transformed(raw, mult, cap)
     m = x3.amax(-1)  # [c, n]
-    s = torch.exp(x3 - m[..., None]).sum(-1)
+    # a tile of -inf only (a masked block of padded vocabulary) adds nothing: shifted by 0, not
+    # by its own -inf (-inf - -inf is NaN), its sum of exp is 0
+    shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    s = torch.exp(x3 - shift[..., None]).sum(-1)
     col = x3.argmax(-1)
     top = m.amax(-1)  # [c]
-    lse = top + torch.log((s * torch.exp(m - top[:, None])).sum(-1))
+    lse = top + torch.log((s * torch.exp(shift - top[:, None])).sum(-1))
     best = m.argmax(-1)
     arg = best * tile + col.gather(1, best[:, None])[:, 0]
     x, dxdl = _transformed(logits_cV, mult, cap)

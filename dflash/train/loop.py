@@ -62,6 +62,9 @@ def train_loop(
     if budget is not None:
         budget.start_training()
     best = BestCheckpoint(run_dir, tc.keep_best, trainer.step, writer) if tc.keep_best else None
+    if best is not None and evaluator is not None:  # a resume too: before any training
+        if (removed := best.start(evaluator.prefixes())) is not None:
+            logger.info(removed)
     if cfg.eval.enabled and trainer.step == 0:
         drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
     if evaluator is not None and trainer.step == 0:
@@ -329,10 +332,6 @@ def _step(
         logger.log({**ev, **at}, step)
         _log_reports(logger, evaluator, step)
         last.update(ev)
-        if best is not None:
-            with _timed(budget, "save"):
-                if best.offer(step, ev, drafter, writer) and writer:
-                    logger.info(f"best {best.metric} so far: {best.value:.4f}; kept")
     shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
     if save and (writer or shards is not None):
         ended = "steps" if step == tc.steps else "budget" if out_of_time else None
@@ -351,6 +350,10 @@ def _step(
         if writer:
             last["checkpoint"] = saved
             logger.log_checkpoint(saved, step)
+    if best is not None and evaluator is not None and evaluate:  # after the save: never costs it
+        with _timed(budget, "save"):
+            if best.offer(step, ev, drafter, writer) and writer:
+                logger.info(f"best {best.metric} so far: {best.value:.4f}; kept")
     if interrupted:
         saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
         return Interrupted(step, saved), final

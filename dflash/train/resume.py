@@ -11,12 +11,14 @@ no resume state). A budgeted run can go past its peak: SmolLM2-135M's 20-minute 
 scored 4.153 at 17 epochs and 4.098 at its last step (docs/history/2026-12-06.md). Selecting by
 the prompts that also report the figure overstates it: name a held-out set's figure
 (`eval/stdlib_heldout/tau`). The directory is replaced atomically, and on resume a best kept at
-a later step than the one resumed from is forgotten (those steps are trained again).
+a later step than the one resumed from (or for another figure) is removed (those steps are
+trained again).
 """
 
 from __future__ import annotations
 
 import glob
+import math
 import os
 import random
 import shutil
@@ -304,11 +306,38 @@ class BestCheckpoint:
         self.path = os.path.join(run_dir, "checkpoints", BEST_DIR)
         self.value: float | None = None
         self.step: int | None = None
+        self.writer = writer
         if writer:
             self._recover()
         kept = (read_manifest(self.path) or {}).get("run") or {}
+        self._stale: dict | None = None  # a best on disk this run does not continue
         if kept.get("best_metric") == metric and kept.get("step", resumed_step + 1) <= resumed_step:
             self.value, self.step = float(kept["best_value"]), int(kept["step"])
+        elif os.path.isdir(self.path):
+            self._stale = {**kept, "resumed_step": resumed_step}
+
+    def start(self, prefixes: list[str]) -> str | None:
+        """When the loop starts (a resume too, before any training): the figure must name one of
+        the eval's sets (`prefixes`: eval/ or eval/<set>/), since eval.sets may change at a
+        resume; then a best kept after the resumed step, or for another figure, is removed, so
+        checkpoints/best never holds a drafter of discarded steps. Returns the line saying so."""
+        if not any(
+            self.metric.startswith(p) and "/" not in self.metric[len(p) :] for p in prefixes
+        ):
+            raise ValueError(
+                f"train.keep_best={self.metric!r} names no set of this run's eval (its figures "
+                f"start with {' or '.join(prefixes)}); name one of them, or train.keep_best=''"
+            )
+        if self._stale is None or not self.writer:
+            return None
+        aside = os.path.join(os.path.dirname(self.path), f".{BEST_DIR}.old{os.getpid()}")
+        os.replace(self.path, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+        k, self._stale = self._stale, None
+        return (
+            f"best: removed {self.path} ({k.get('best_metric')} at step {k.get('step')}; "
+            f"resumed at step {k['resumed_step']}, keeping {self.metric})"
+        )
 
     def check(self, metrics: dict) -> None:
         """The metric is one this run's eval reports (the step-0 eval: before any training)."""
@@ -324,7 +353,7 @@ class BestCheckpoint:
         earlier). Every rank calls it with the same all-reduced figures; the writer writes."""
         self.check(metrics)
         value = float(metrics[self.metric])
-        if self.value is not None and not value > self.value:
+        if not math.isfinite(value) or (self.value is not None and not value > self.value):
             return False
         self.value, self.step = value, step
         if writer:

@@ -17,7 +17,9 @@ cmd=(python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs train.time_budg
 env TORCH_LOGS=recompiles "${cmd[@]}" > /tmp/res/train.out 2>&1
 rc=$?
 echo "train rc=$rc $(date +%s)" >> /tmp/res/status
-if [ "$rc" = 143 ] && [ -n "${STOP_AFTER_S:-}" ]; then  # stopped before its budget: pack, no eval
+# stopped before its budget (143: saved on SIGTERM; 137: killed 300 s later, the last periodic
+# checkpoint stands): pack, no eval
+if [ -n "${STOP_AFTER_S:-}" ] && { [ "$rc" = 143 ] || [ "$rc" = 137 ]; }; then
   bash scripts/device/pack_run.sh >> /tmp/res/status 2>&1
   touch /tmp/res/done
   exit 0
