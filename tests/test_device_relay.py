@@ -1,8 +1,8 @@
-"""A run longer than one session's device time goes in relay legs (scripts/device): the stopped
-run's directory is packed into parts a call can bring back, collected here into upload chunks,
-and unpacked on the next machine. The round trip must give back every file byte for byte (but the
-run lock and the profile), and refuse a missing part or a damaged chunk instead of resuming from
-a broken run directory."""
+"""A run longer than one 30-minute lease of the GPU machine goes in relay legs (scripts/device):
+the stopped run's directory is packed into parts a call can bring back, collected here into
+upload chunks, and unpacked on the next machine. The round trip must give back every file byte
+for byte (but the run lock and the profile), and refuse a missing part or a damaged chunk
+instead of resuming from a broken run directory."""
 
 import hashlib
 import os

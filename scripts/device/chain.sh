@@ -8,7 +8,7 @@ cd /tmp/repo && source scripts/device/env.sh
 # such step); its time goes to the status file.
 convert_target
 date +%s > /tmp/res/t0
-# A run longer than one session's device time goes in relay legs: STOP_AFTER_S=N sends SIGTERM
+# A run longer than one 30-minute lease of the GPU machine goes in relay legs: STOP_AFTER_S=N sends SIGTERM
 # after N s (the step finishes and is saved, exit 143) and packs the run directory for
 # fetch_pack.sh; RESUME=1 continues the run start_run.sh unpacked (its budget's clock goes on).
 cmd=(python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs train.time_budget_min=$BUDGET $EXTRA)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Here, after the fetch_pack.sh calls: the parts from their files_at folders into one tar.gz,
 # checked against its SHA256, re-cut into CHUNK_BYTES upload chunks $ST/st_NN (one call each in
-# the next session: README.md, "A run longer than one session").
+# the next machine lease: README.md, "A run longer than one machine lease").
 #   bash scripts/device/relay_collect.sh /work/.device/13 /work/.device/14 ...
 set -euo pipefail
 ST=${ST:-.st} CHUNK_BYTES=${CHUNK_BYTES:-58000000}

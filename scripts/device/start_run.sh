@@ -15,7 +15,7 @@ export GRID="${GRID:-}"  # CHAIN=grid.sh: the ablation settings (see grid.sh)
 export HELDOUT="${HELDOUT:-}" RDCHAT="${RDCHAT:-0}"  # chain.sh: N held-out stdlib prompts; chat real decoding
 export BENCH="${BENCH:-}"  # chain.sh: bench_loop on the run's samples (its shape arguments)
 export AFTER="${AFTER:-}"  # chain.sh: bench13.sh items after the evals (e.g. AFTER=regen_fuse)
-export RESUME="${RESUME:-0}" STOP_AFTER_S="${STOP_AFTER_S:-}"  # chain.sh: relay legs (a run over sessions)
+export RESUME="${RESUME:-0}" STOP_AFTER_S="${STOP_AFTER_S:-}"  # chain.sh: relay legs (a run over several leases)
 touch /tmp/res/started  # wait_run.sh: a machine without it is a fresh one
 setsid nohup bash /tmp/repo/scripts/device/${CHAIN:-chain.sh} > /tmp/res/chain.log 2>&1 < /dev/null &
 W=${W:-540} bash scripts/device/wait_run.sh
