@@ -44,8 +44,8 @@ def test_keeps_the_highest_figure_and_only_it(tiny_qwen, tmp_path):
 
 
 def test_another_rank_tracks_the_figure_without_writing(tiny_qwen, tmp_path):
-    keep = BestCheckpoint(str(tmp_path), "eval/tau", resumed_step=0)
-    assert keep.offer(10, {"eval/tau": 2.0}, make_drafter(tiny_qwen), writer=False)
+    keep = BestCheckpoint(str(tmp_path), "eval/tau", resumed_step=0, writer=False)
+    assert keep.offer(10, {"eval/tau": 2.0}, make_drafter(tiny_qwen))
     assert keep.value == 2.0 and not (tmp_path / "checkpoints").exists()
 
 

@@ -80,10 +80,10 @@ def _ce_stats_tiled(
     would turn every index of the flat pass into a division)."""
     tile = tile or TILE
     c, V = logits_cV.shape
-    raw = logits_cV.view(c, V // tile, tile)
-    raw_max = raw.amax(-1)
-    x3, _ = _transformed(raw, mult, cap)
-    m = x3.amax(-1)  # [c, n]
+    raw_max = logits_cV.view(c, V // tile, tile).amax(-1)
+    x, dxdl = _transformed(logits_cV, mult, cap)
+    x3 = x.view(c, V // tile, tile)
+    m, _ = _transformed(raw_max, mult, cap)  # [c, n]: the transform is increasing
     # a tile of -inf only (a masked block of padded vocabulary) adds nothing: shifted by 0, not
     # by its own -inf (-inf - -inf is NaN), its sum of exp is 0
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -93,7 +93,6 @@ def _ce_stats_tiled(
     lse = top + torch.log((s * torch.exp(shift - top[:, None])).sum(-1))
     best = m.argmax(-1)
     arg = best * tile + col.gather(1, best[:, None])[:, 0]
-    x, dxdl = _transformed(logits_cV, mult, cap)
     tgt = x.gather(1, labels_c[:, None])[:, 0]
     loss = ((lse - tgt) * weights_c).sum()
     correct = ((arg == labels_c).float() * correct_weights_c).sum()

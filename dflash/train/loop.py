@@ -352,7 +352,7 @@ def _step(
             logger.log_checkpoint(saved, step)
     if best is not None and evaluator is not None and evaluate:  # after the save: never costs it
         with _timed(budget, "save"):
-            if best.offer(step, ev, drafter, writer) and writer:
+            if best.offer(step, ev, drafter) and writer:
                 logger.info(f"best {best.metric} so far: {best.value:.4f}; kept")
     if interrupted:
         saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None

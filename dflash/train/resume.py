@@ -132,13 +132,20 @@ def _swap_in(root: str, name: str, tmp: str) -> None:
     """Rename the finished directory `tmp` to root/name; an existing one is moved aside first
     (`.NAME.oldPID`) and removed after, so root/name is never half-written."""
     final = os.path.join(root, name)
-    if os.path.exists(final):
-        old = os.path.join(root, f".{name}.old{os.getpid()}")
-        os.replace(final, old)
+    if not os.path.exists(final):
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+        return
+    old = os.path.join(root, f".{name}.old{os.getpid()}")
+    os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove(root: str, name: str) -> None:
+    """root/name moved aside (`.NAME.oldPID`, as `_swap_in` does) and removed."""
+    old = os.path.join(root, f".{name}.old{os.getpid()}")
+    os.replace(os.path.join(root, name), old)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _put_in_place(root: str, name: str, tmp: str, keep_last: int) -> None:
@@ -330,9 +337,7 @@ class BestCheckpoint:
             )
         if self._stale is None or not self.writer:
             return None
-        aside = os.path.join(os.path.dirname(self.path), f".{BEST_DIR}.old{os.getpid()}")
-        os.replace(self.path, aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        _remove(os.path.dirname(self.path), BEST_DIR)
         k, self._stale = self._stale, None
         return (
             f"best: removed {self.path} ({k.get('best_metric')} at step {k.get('step')}; "
@@ -348,7 +353,7 @@ class BestCheckpoint:
                 f"choose one of {names}"
             )
 
-    def offer(self, step: int, metrics: dict, drafter, writer: bool = True) -> bool:
+    def offer(self, step: int, metrics: dict, drafter) -> bool:
         """Keep `drafter` when `metrics[metric]` beats every earlier eval's (ties keep the
         earlier). Every rank calls it with the same all-reduced figures; the writer writes."""
         self.check(metrics)
@@ -356,7 +361,7 @@ class BestCheckpoint:
         if not math.isfinite(value) or (self.value is not None and not value > self.value):
             return False
         self.value, self.step = value, step
-        if writer:
+        if self.writer:
             self._write(step, value, drafter)
         return True
 

@@ -8,13 +8,15 @@ cd /tmp/repo && source scripts/device/env.sh
 # such step); its time goes to the status file.
 convert_target
 date +%s > /tmp/res/t0
-# A run longer than one 30-minute lease of the GPU machine goes in relay legs: STOP_AFTER_S=N sends SIGTERM
-# after N s (the step finishes and is saved, exit 143) and packs the run directory for
-# fetch_pack.sh; RESUME=1 continues the run start_run.sh unpacked (its budget's clock goes on).
-cmd=(python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs train.time_budget_min=$BUDGET $EXTRA)
-[ "${RESUME:-0}" = 1 ] && cmd=(python3 train.py resume=/tmp/runs/main $EXTRA)
-[ -n "${STOP_AFTER_S:-}" ] && cmd=(timeout --foreground --preserve-status -s TERM -k 300 "$STOP_AFTER_S" "${cmd[@]}")
-env TORCH_LOGS=recompiles "${cmd[@]}" > /tmp/res/train.out 2>&1
+# A run longer than one 30-minute lease of the GPU machine goes in relay legs: STOP_AFTER_S=N
+# sends SIGTERM after N s (the step finishes and is saved, exit 143) and packs the run directory
+# for fetch_pack.sh; RESUME=1 continues the run start_run.sh unpacked (its budget's clock goes on).
+cmd=(python3 train.py +exp=$EXP run_name=main out_root=/tmp/runs train.time_budget_min=$BUDGET)
+[ "${RESUME:-0}" = 1 ] && cmd=(python3 train.py resume=/tmp/runs/main)
+[ -n "${STOP_AFTER_S:-}" ] &&
+  cmd=(timeout --foreground --preserve-status -s TERM -k 300 "$STOP_AFTER_S" "${cmd[@]}")
+# shellcheck disable=SC2086  # EXTRA: overrides, split into words
+env TORCH_LOGS=recompiles "${cmd[@]}" $EXTRA > /tmp/res/train.out 2>&1
 rc=$?
 echo "train rc=$rc $(date +%s)" >> /tmp/res/status
 # stopped before its budget (143: saved on SIGTERM; 137: killed 300 s later, the last periodic
