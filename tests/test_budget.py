@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from dflash.tools.testing import rank_env
 from dflash.train.budget import TimeBudget, budget_lr
 
 
@@ -100,7 +101,7 @@ def _overrides(tmp_path) -> list[str]:
     ]
 
 
-def _cfg(tmp_path, resume=None):
+def _cfg(tmp_path, resume=None, *more):
     from conftest import CONF
     from hydra import compose, initialize_config_dir
 
@@ -110,6 +111,7 @@ def _cfg(tmp_path, resume=None):
     over = _overrides(tmp_path)
     if resume:
         over.append(f"resume={resume}")
+    over += list(more)
     with initialize_config_dir(config_dir=CONF, version_base="1.3"):
         return typed(compose("config", overrides=over))
 
@@ -121,11 +123,12 @@ def fake_time(monkeypatch):
     import dflash.train.step as tr
 
     clock = Clock()
+    clock.first_step = 4.0  # a test sets the first step's length (it compiles on the GPU)
     monkeypatch.setattr(tr, "TimeBudget", functools.partial(TimeBudget, now=clock))
     step, run = tr.DrafterTrainer.step_async, ev.Evaluator.run
 
     def step_async(self, micro):
-        clock.t += 4.0
+        clock.t += clock.first_step if self.step == 0 else 4.0
         return step(self, micro)
 
     def eval_run(self, drafter, heads):
@@ -181,6 +184,28 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
     assert 50 < state["elapsed_s"] <= 60
 
 
+def test_the_first_steps_compile_is_neither_warmup_nor_a_steps_length(tmp_path, fake_time):
+    """The first step compiles (~30 s on the GPU recipes). Counted in the training window, it
+    used up a 20-minute run's warmup (the second step ran at the peak lr); kept as the longest
+    step, it held 30 s of the budget back for one more step at the end."""
+    from dflash.train.colocated import run_colocated
+
+    fake_time.first_step = 30.0
+    cfg = _cfg(tmp_path, None, "train.time_budget_min=2")  # 120 s; warmup: 10 % of the window
+    out = run_colocated(cfg, str(tmp_path / "run"))
+    rows = _rows(str(tmp_path / "run"))
+    lrs = [r["train/lr"] for r in rows if "train/lr" in r]
+    peak = max(lrs)
+    # steps 1 and 2 at the warmup's start (2: set right after the compile), then a ramp to the peak
+    assert lrs[0] < 0.01 * peak and lrs[1] < 0.01 * peak, lrs[:4]
+    assert 0.2 * peak < lrs[2] < 0.9 * peak and lrs.index(peak) >= 3, lrs[:6]
+    state = _master(out["checkpoint"])["trainer"]["budget"]
+    # the reserve holds one 4 s step, 1.25 x the 3 s eval: the run goes on past 108 s (the 30 s
+    # step kept as the longest stopped it before 90 s)
+    assert 108 < state["elapsed_s"] <= 120, state
+    assert state["longest"]["step"] == 4.0
+
+
 def test_budgeted_resume_continues_the_clock_and_equals_uninterrupted(tmp_path, fake_time):
     from dflash.train.colocated import run_colocated
 
@@ -213,7 +238,7 @@ def test_budget_with_split_topology_is_refused_before_anything_runs():
 def _agree_rank(rank, port, out_dir):
     import torch.distributed as dist
 
-    from dflash.common.interrupt import agree_any
+    from dflash.common.interrupt import agree_max
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -222,22 +247,24 @@ def _agree_rank(rank, port, out_dir):
     # the gloo control group so that the agreement never waits for a CUDA stream): "meta"
     # stands in for cuda here and would fail in the all-reduce if the flags went there
     got = [
-        agree_any([rank == 1, False], dist.group.WORLD),
-        agree_any([False, rank == 0], dist.group.WORLD, torch.device("meta")),
+        agree_max([float(rank == 1), 0.0], dist.group.WORLD),
+        agree_max([0.0, float(rank == 0)], dist.group.WORLD, torch.device("meta")),
+        agree_max([0.25 + 0.5 * rank], dist.group.WORLD),  # each rank's budget progress
     ]
     torch.save(got, os.path.join(out_dir, f"agree{rank}.pt"))
     dist.destroy_process_group()
 
 
 def test_ranks_stop_together_when_any_rank_runs_out_of_time_or_is_interrupted(tmp_path):
-    """One all-reduce per step carries both flags: every rank sees either one if any rank has it."""
+    """One all-reduce per step carries both flags and the budget's progress: every rank sees a
+    flag if any rank has it, and the furthest progress."""
     import torch.multiprocessing as mp
 
     from dflash.tools.testing import free_port
 
     mp.spawn(_agree_rank, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
-        assert torch.load(tmp_path / f"agree{rank}.pt") == [[True, False], [False, True]]
+        assert torch.load(tmp_path / f"agree{rank}.pt") == [[1.0, 0.0], [0.0, 1.0], [0.75]]
 
 
 def test_startup_phases_count_from_the_previous_phase_and_restart_with_each_run(monkeypatch):
@@ -293,3 +320,53 @@ def _tree(root) -> list:
         )
         for d, _, names in os.walk(root)
     )
+
+
+def _dp_budget_rank(rank, world, port, root):
+    """A budgeted 2-rank DDP run whose ranks' clocks disagree (rank 1's steps take 4.5 s, its
+    process started 2 s later): each rank's learning rates and final weights."""
+    import dflash.eval.offline as ev
+    import dflash.train.step as tr
+    from dflash.common.comm import init_distributed
+    from dflash.train.colocated import run_colocated
+
+    rank_env(rank, world, port, DFLASH_RUN_ID="budget")
+    clock, lrs, trainer = Clock(-2.0 * rank), [], []
+    tr.TimeBudget = functools.partial(TimeBudget, now=clock)
+    step, run = tr.DrafterTrainer.step_async, ev.Evaluator.run
+
+    def step_async(self, micro):
+        trainer[:] = [self]
+        lrs.append(self.par.base_optimizer.param_groups[0]["lr"])
+        clock.t += 4.0 + 0.5 * rank
+        return step(self, micro)
+
+    def eval_run(self, drafter, heads):
+        clock.t += 3.0
+        return run(self, drafter, heads)
+
+    tr.DrafterTrainer.step_async, ev.Evaluator.run = step_async, eval_run
+    ctx = init_distributed("gloo", 120, 120)
+    run_colocated(_cfg(root, None, "train.dist=ddp"), os.path.join(root, "run"), ctx=ctx)
+    weights = {k: v.detach().clone() for k, v in trainer[0].drafter_for_io().state_dict().items()}
+    torch.save({"lrs": lrs, "weights": weights}, os.path.join(root, f"rank{rank}.pt"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_follow_one_budget_clock(tmp_path):
+    """Each rank's own clock gave each replica its own learning rate, so DDP's replicas drifted
+    apart; the loop now agrees the furthest progress after each step and every rank sets its
+    learning rate from it."""
+    import torch.multiprocessing as mp
+
+    from dflash.tools.testing import free_port
+
+    mp.spawn(_dp_budget_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert len(r0["lrs"]) == len(r1["lrs"]) > 5
+    assert r0["lrs"] == r1["lrs"] and max(r0["lrs"]) > 10 * r0["lrs"][-1]  # warmup and decay
+    for k, v in r0["weights"].items():
+        assert torch.equal(v, r1["weights"][k]), k

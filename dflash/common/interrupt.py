@@ -94,16 +94,17 @@ class StopRequest:
         )
 
 
-def agree_any(flags: list[bool], group=None, device: torch.device | None = None) -> list[bool]:
-    """Each flag as true on every data-parallel rank if it is true on any (one all-reduce for
-    all of them): every rank must stop after the same step (a rank that stopped alone would leave
-    its peers waiting in the next all-reduce), whether its clock ran out or Ctrl-C reached it.
-    On a gloo group the flags stay on the host: an NCCL all-reduce read back with .tolist() waits
-    for the whole step's kernels (a sync a step); the train loop passes its gloo control group."""
+def agree_max(values: list[float], group=None, device: torch.device | None = None) -> list[float]:
+    """Each value's maximum over the data-parallel ranks, in one all-reduce: the train loop's
+    stop flags (every rank must stop after the same step: a rank that stopped alone would leave
+    its peers waiting in the next all-reduce, whether its clock ran out or Ctrl-C reached it) and
+    the budget's progress (every rank's learning rate is set from the furthest clock). On a gloo
+    group the values stay on the host: an NCCL all-reduce read back with .tolist() waits for the
+    whole step's kernels (a sync a step); the train loop passes its gloo control group."""
     if group is None:
-        return list(flags)
+        return list(values)
     if dist.get_backend(group) == "gloo":
         device = torch.device("cpu")
-    t = torch.tensor([float(f) for f in flags], device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [v > 0 for v in t.tolist()]
+    return t.tolist()

@@ -20,7 +20,7 @@ class TrainConfig:
     max_anchors: int = 512  # anchors per sequence, resampled every step
     lr: float = 6e-4  # peak learning rate
     min_lr_ratio: float = 0.0  # final lr / peak
-    warmup_ratio: float = 0.04  # warmup share of steps
+    warmup_ratio: float = 0.04  # warmup share of steps (of the time after step 1 with a budget)
     weight_decay: float = 0.0  # AdamW decay
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     clip_grad: float = 1.0  # max grad norm

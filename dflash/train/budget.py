@@ -8,6 +8,14 @@ the budget. The learning-rate schedule (warmup, cosine) follows the fraction of 
 window used instead of the step count, so a budgeted run always reaches the end of its schedule;
 `train.steps` is then an upper bound.
 
+The window opens when the first step has finished: that step compiles (torch.compile, flex
+attention, the compiled capture: ~30 s on the GPU recipes), and counted in a 20-minute run it
+used up the whole warmup, so training started at the peak learning rate. Its length is not kept
+as a step's either (the reserve would hold 30 s for one more step). After each step the loop
+agrees one progress over the data-parallel ranks (the furthest clock) and sets the learning rate
+from it (`schedule`): each rank reading its own clock would give the replicas different learning
+rates, and their weights would drift apart.
+
 The clock starts when `dflash` is first imported (the launcher imports it first thing) and is
 saved in every checkpoint: a resumed run counts the time its earlier part spent up to the
 checkpoint (the minutes between the interruption and the resume are not counted; what ran after
@@ -46,6 +54,7 @@ class TimeBudget:
         self._longest: dict[str, float] = {}  # longest eval / save seen
         # (run time, progress) where a resume changed the budget: progress continues from there
         self._rebase: tuple[float, float] | None = None
+        self.schedule = 0.0  # the progress the learning rate follows, agreed by every rank
 
     def now(self) -> float:
         return self._now()
@@ -57,6 +66,7 @@ class TimeBudget:
         return self.total_s - self.elapsed()
 
     def start_training(self) -> None:
+        """The training window opens (the loop calls it when the first step has finished)."""
         if self.train_t0 is None:
             self.train_t0 = self.elapsed()
 
@@ -100,6 +110,7 @@ class TimeBudget:
             "longest": dict(self._longest),
             "total_s": self.total_s,
             "rebase": self._rebase,
+            "schedule": self.schedule,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -115,6 +126,8 @@ class TimeBudget:
             reached = self.progress()  # where the checkpoint's own budget had got to
             self.total_s = mine
             self._rebase = (self.prior_s, reached)
+        # the progress the checkpoint's next learning rate was set from (older ones: the clock's)
+        self.schedule = float(state.get("schedule", self.progress()))
 
 
 _PHASES: list[tuple[str, float]] = []  # this run's (phase, monotonic time it ended)
@@ -136,6 +149,21 @@ def phase_done(name: str) -> None:
 def startup_phases() -> str:
     """'data 140 s, ...': each phase's seconds since the previous one ended, in order."""
     return ", ".join(f"{n} {t - t0:.0f} s" for (_, t0), (n, t) in zip(_PHASES, _PHASES[1:]))
+
+
+def report_start(budget: TimeBudget) -> str:
+    """How much of the budget went before the first step (target load, data, eval set, step-0
+    eval), and a warning when that leaves training less than half."""
+    spent, total = budget.elapsed(), budget.total_s
+    msg = f"time budget: {spent / 60:.1f} of {total / 60:g} min spent before training"
+    if phases := startup_phases():
+        msg += f" ({phases})"
+    if spent > total / 2:
+        msg += (
+            f"; training gets {max(total - spent, 0) / 60:.1f} min: raise train.time_budget_min, "
+            "lower data.num_samples, or reuse a data cache (data.cache_dir)"
+        )
+    return msg
 
 
 def budget_lr(progress: float, warmup_ratio: float, min_ratio: float) -> float:

@@ -10,13 +10,13 @@ from typing import Protocol
 import torch
 from tqdm.auto import tqdm
 
-from ..common.interrupt import Interrupted, StopRequest, agree_any
+from ..common.interrupt import Interrupted, StopRequest, agree_max
 from ..common.loggers import Logger, eval_key
 from ..common.profiling import StepProfiler
 from ..config import RunConfig
 from ..data.batch import TargetBatch, agreement_warning
 from ..data.stream import SampleStream
-from .budget import phase_done, startup_phases
+from .budget import phase_done, report_start
 from .resume import BestCheckpoint, save_checkpoint
 from .step import DrafterTrainer
 
@@ -59,8 +59,6 @@ def train_loop(
     first_eval = None
     budget = trainer.budget
     fresh = budget is not None and budget.train_t0 is None
-    if budget is not None:
-        budget.start_training()
     best = BestCheckpoint(run_dir, tc.keep_best, trainer.step, writer) if tc.keep_best else None
     if best is not None and evaluator is not None:  # a resume too: before any training
         if (removed := best.start(evaluator.prefixes())) is not None:
@@ -77,7 +75,7 @@ def train_loop(
             best.check(first_eval)
         phase_done("step-0 eval")
     if fresh:
-        _report_start(budget, logger)
+        logger.info(report_start(budget))
     bar = tqdm(
         total=tc.steps if budget is None else None,  # a budgeted run ends on the clock
         initial=trainer.step,
@@ -136,8 +134,8 @@ def train_loop(
     if budget is not None:
         last["time/run_min"] = budget.elapsed() / 60.0
         logger.info(
-            f"time budget: stopped at step {trainer.step} after {budget.elapsed() / 60:.1f} of "
-            f"{budget.total_s / 60:g} min"
+            f"time budget: {'stopped' if interrupted is None else 'interrupted'} at step "
+            f"{trainer.step} after {budget.elapsed() / 60:.1f} of {budget.total_s / 60:g} min"
         )
     if writer and interrupted is None:
         _plot(run_dir, logger)
@@ -197,21 +195,6 @@ class Health:
             f"{step}): the drafter is not learning (saturated logits after a too high "
             f"train.lr={self.lr:g}?)"
         )
-
-
-def _report_start(budget, logger: Logger) -> None:
-    """How much of the budget went before the first step (target load, data, eval set, step-0
-    eval), and a warning when that leaves training less than half."""
-    spent, total = budget.elapsed(), budget.total_s
-    msg = f"time budget: {spent / 60:.1f} of {total / 60:g} min spent before training"
-    if phases := startup_phases():
-        msg += f" ({phases})"
-    if spent > total / 2:
-        msg += (
-            f"; training gets {max(total - spent, 0) / 60:.1f} min: raise train.time_budget_min, "
-            "lower data.num_samples, or reuse a data cache (data.cache_dir)"
-        )
-    logger.info(msg)
 
 
 def _clock(budget) -> dict:
@@ -287,17 +270,21 @@ def _step(
     step = trainer.step
     metrics = {"data/epoch": source.stream.epoch}
     final = step == tc.steps
-    if budget is not None:
+    if budget is not None and clock.first:  # it compiled: not warmup, nor a step's length
+        budget.start_training()
+    elif budget is not None:
         budget.note("step", budget.now() - b0)
-    out_of_time, interrupted = agree_any(
-        [budget is not None and budget.done(), stop.requested],
+    progress, interrupted = agree_max(  # one progress for every rank's learning rate
+        [budget.progress() if budget is not None else 0.0, float(stop.requested)],
         (trainer.ctrl_group or trainer.dp_group) if trainer.dp_world > 1 else None,
         trainer.device,
     )
+    out_of_time, interrupted = progress >= 1.0, interrupted > 0
     final = final or out_of_time
     if budget is not None:
+        trainer.follow_budget(progress)
         metrics["time/run_min"] = budget.elapsed() / 60.0
-        metrics["time/budget_progress"] = budget.progress()
+        metrics["time/budget_progress"] = progress
     bar.update(1)
     log = step % tc.log_every == 0 or final
     if log or clock.first:  # the first step is read for its timing line (kernels compile there)
@@ -331,7 +318,7 @@ def _step(
             ev = evaluator.run(drafter, trainer.heads)
         logger.log({**ev, **at}, step)
         _log_reports(logger, evaluator, step)
-        last.update(ev)
+        last.update(ev, eval_step=step)  # the summary says which step its figures are from
     shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
     if save and (writer or shards is not None):
         ended = "steps" if step == tc.steps else "budget" if out_of_time else None
@@ -388,6 +375,7 @@ def _summarize(logger: Logger, last: dict, first_eval: dict | None) -> None:
     for p in sets:  # eval (the unnamed set) or eval/<set>
         label = "eval" + (f" {p[5:]}" if p != "eval" else "")
         msg = f"{label}: streak {last[p + '/streak']:.3f}  tau {last[p + '/tau']:.3f}"
+        msg += f"  at step {last['eval_step']}" if "eval_step" in last else ""
         if first_eval is not None and p + "/tau" in first_eval:
             msg += (
                 f"  (at step 0: streak {first_eval[p + '/streak']:.3f}, "

@@ -136,7 +136,6 @@ class DrafterTrainer:
             self.model = torch.compile(self.model, dynamic=False)
         # train.time_budget_min: the schedule follows the clock (dflash.train.budget), not the step
         self.budget = TimeBudget(cfg.time_budget_min) if cfg.time_budget_min else None
-        self._progress = 0.0
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.par.base_optimizer, lambda s: self._lr_factor(s)
         )
@@ -154,9 +153,15 @@ class DrafterTrainer:
     def _lr_factor(self, step: int) -> float:
         cfg = self.cfg
         if self.budget is not None:
-            return budget_lr(self._progress, cfg.warmup_ratio, cfg.min_lr_ratio)
+            return budget_lr(self.budget.schedule, cfg.warmup_ratio, cfg.min_lr_ratio)
         warmup = int(round(cfg.warmup_ratio * cfg.steps))
         return cosine_lr(step, cfg.steps, warmup, cfg.min_lr_ratio)
+
+    def follow_budget(self, progress: float) -> None:
+        """The next step's learning rate from the budget's progress, the same on every rank (the
+        loop agrees it after each step: dflash.train.budget)."""
+        self.budget.schedule = progress
+        self.sched.step()
 
     # ------------------------------------------------------------------ pieces
     def prepare(self, tb: TargetBatch, step: int) -> Prepared:
@@ -309,9 +314,8 @@ class DrafterTrainer:
         lr = self.par.base_optimizer.param_groups[0]["lr"]
         with record_function("dflash.optimizer"):
             grad_norm = self.par.step()
-        if self.budget is not None:
-            self._progress = self.budget.progress()
-        self.sched.step()
+        if self.budget is None:  # a budget's schedule moves with the loop's clock (follow_budget)
+            self.sched.step()
         self.step += 1
         counts = torch.tensor(
             [
@@ -386,4 +390,3 @@ class DrafterTrainer:
         self.step = int(state["step"])
         if self.budget is not None and "budget" in state:
             self.budget.load_state_dict(state["budget"])
-            self._progress = self.budget.progress()
