@@ -18,6 +18,7 @@ from dflash.config import TrainConfig
 from dflash.data.batch import collate, target_forward
 from dflash.drafter.blocks import sample_prefix_lengths
 from dflash.target.shape import Heads
+from dflash.tools.testing import rank_env
 from dflash.train.losses import dpace_weights
 from dflash.train.step import DrafterTrainer
 
@@ -260,15 +261,7 @@ def _modes():
 
 
 def _dp_rank(rank, world, port, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)

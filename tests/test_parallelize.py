@@ -9,6 +9,8 @@ import torch
 import torch.multiprocessing as mp
 from conftest import assert_same_adam_steps
 
+from dflash.tools.testing import rank_env
+
 MODES = [("ddp", 1), ("fsdp", 1), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3)]
 STEPS = 3
 
@@ -72,15 +74,7 @@ def _train(mode, stage, rank, world, group):
 
 
 def _rank(rank, world, port, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -130,15 +124,7 @@ def _train_zero_steps():
 def _bf16_rank(rank, port, out_dir):
     """One rank: the DeepSpeed trainer with bf16 autocast (the GPU setting) against the plain
     trainer, both in bf16 compute with fp32 master weights."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        DS_ACCELERATOR="cpu",
-    )
-    torch.set_num_threads(1)
+    rank_env(0, 1, port)
     import torch.distributed as dist
     from conftest import get_target
 
@@ -201,16 +187,7 @@ def _resume_rank(rank, world, port, root):
     from dflash.common.comm import init_distributed
     from dflash.train.colocated import run_colocated
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        DS_ACCELERATOR="cpu",
-        DFLASH_RUN_ID="resume",
-    )
-    torch.set_num_threads(1)
+    rank_env(rank, world, port, DFLASH_RUN_ID="resume")
     ctx = init_distributed("gloo", 120, 120)
     for mode, stage in RESUME_MODES:
         if mode == "deepspeed" and not _has_deepspeed():

@@ -4,6 +4,7 @@
   decoding benchmarks).
 - `CropRollback`: transformers' naive cache rollback, kept to show it is wrong on hybrid
   targets (`dflash.decoding.chain.ExactRollback` is the real one).
+- `rank_env`: the torchrun environment of a process mp.spawn started as one rank.
 - `launch_local` / `wait_all`: start N ranks with the environment torchrun gives them, and
   collect their exit codes (tests need to watch each process; torchrun would tear the job down).
 - `InstrumentTap` + `python -m dflash.tools.testing train.py ARGS`: train.py with the split stream
@@ -172,6 +173,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_env(rank: int, world: int, port: int, **extra: str) -> None:
+    """A process that mp.spawn started as rank `rank` of `world`: the environment torchrun would
+    give it (rendezvous on 127.0.0.1:port, DeepSpeed on the CPU; `extra` on top) and one thread
+    (two cores thrash otherwise)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        DS_ACCELERATOR="cpu",
+        **extra,
+    )
+    torch.set_num_threads(1)
 
 
 _STORES: list = []  # the stores of the jobs launch_local started (alive while this process is)
