@@ -1,7 +1,8 @@
 """A run longer than one 30-minute lease of the GPU machine goes in relay legs (scripts/device):
 the stopped run's directory is packed into parts a call can bring back, collected here into
 upload chunks, and unpacked on the next machine. The round trip must give back every file byte
-for byte (but the run lock and the profile), and refuse a missing part or a damaged chunk
+for byte (but the run lock, the profile and the eval sets' cache, which the resume rebuilds),
+and refuse a missing part or a damaged chunk
 instead of resuming from a broken run directory."""
 
 import hashlib
@@ -49,19 +50,20 @@ def packed(tmp_path):
     (run / "checkpoints" / "latest").write_text("step_00000007")
     (run / "data").mkdir()
     (run / "data" / "train-abc.pt").write_bytes(bytes(range(256)) * 400)
+    (run / "data" / "eval-def.safetensors").write_bytes(os.urandom(300_000))  # rebuilt at resume
     (run / "metrics.jsonl").write_text('{"step": 7}\n')
     (run / "run.lock").write_text('{"pid": 1}\n')
     (run / "profile").mkdir()
     (run / "profile" / "trace.json").write_text("{}")
     pack = tmp_path / "pack"
     r = _sh("pack_run.sh", {"RUNS": tmp_path / "runs", "PACK": pack, "PART_BYTES": 100_000})
-    assert r.stdout.startswith("pack rc=0 9 parts"), r.stdout  # ~0.9 MB of random bytes
+    assert r.stdout.startswith("pack rc=0 11 parts"), r.stdout  # ~1 MB: a tar, the eval cache out
     calls = []
     for i in range(3):
         out = tmp_path / f"call{i}"
         out.mkdir()
         r = _sh("fetch_pack.sh", {"PACK": pack, "I": i, "OUT": out})
-        assert len(os.listdir(out)) == (5 if i < 2 else 2)  # 4 parts (1 in the last) + SHA256
+        assert len(os.listdir(out)) == (5 if i < 2 else 4)  # 4 parts (3 in the last) + SHA256
         calls.append(out)
     assert "ALL PARTS FETCHED" in r.stdout
     assert _sh("fetch_pack.sh", {"PACK": pack, "I": 3, "OUT": out}, check=False).returncode == 2
@@ -73,12 +75,14 @@ def test_a_packed_run_comes_back_byte_for_byte(tmp_path, packed):
     st = tmp_path / "st"
     # the fetched folders in any order; upload chunks of 250 kB (58 MB on the device)
     _sh("relay_collect.sh", {"ST": st, "CHUNK_BYTES": 250_000}, *map(str, calls[::-1]))
-    assert sorted(os.listdir(st)) == ["SHA256", "st_00", "st_01", "st_02", "st_03"]
+    assert sorted(os.listdir(st)) == ["SHA256"] + [f"st_0{i}" for i in range(5)]
     r = _sh("unpack_state.sh", {"STATE": st, "RUNS": tmp_path / "next"})
     assert "step_00000007" in r.stdout
-    want = {k: v for k, v in _tree(run).items() if k != "run.lock" and not k.startswith("profile")}
+    left = ("run.lock", "profile/", "data/eval-")
+    want = {k: v for k, v in _tree(run).items() if not k.startswith(left)}
+    assert "data/train-abc.pt" in want and len(want) == 5
     assert _tree(tmp_path / "next" / "main") == want
-    assert not (st / "run.tgz").exists()
+    assert not (st / "run.tar").exists()
 
 
 def test_a_missing_part_or_a_damaged_chunk_is_refused(tmp_path, packed):
@@ -96,7 +100,7 @@ def test_a_missing_part_or_a_damaged_chunk_is_refused(tmp_path, packed):
     next_runs = tmp_path / "next"
     r = _sh("unpack_state.sh", {"STATE": st, "RUNS": next_runs}, check=False)
     assert r.returncode == 1 and "STATE INCOMPLETE OR BROKEN" in r.stdout
-    assert not next_runs.exists() and not (st / "run.tgz").exists()
+    assert not next_runs.exists() and not (st / "run.tar").exists()
     os.remove(st / "st_03")  # a chunk not uploaded
     assert _sh("unpack_state.sh", {"STATE": st, "RUNS": next_runs}, check=False).returncode == 1
 

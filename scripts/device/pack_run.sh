@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # There, at the end of a relay leg (chain.sh with STOP_AFTER_S): the stopped run's directory as
-# one tar.gz (run.lock and profile/ left out), its sha256, cut into PART_BYTES parts in $PACK; a
-# call brings back 4 of them (fetch_pack.sh). Prints one status line.
+# one tar (run.lock, profile/ and the eval sets' caches left out), its sha256, cut into
+# PART_BYTES parts in $PACK; a call brings back 4 of them (fetch_pack.sh). Prints one status line.
+# Measured 2026-12-06 (Qwen2.5-Coder-0.5B, DFlash2): train_state.pt 834 MB, model.safetensors
+# 139 MB, data/train-*.pt 84 MB, data/eval-*.safetensors 581 MB. The eval cache is the target's
+# greedy text and hidden states for the eval prompts: the resumed run rebuilds it in ~15 s (the
+# same on the same GPU kind and software; PACK_EVAL=1 ships it, ~9 fetch calls more). No gzip:
+# fp32 weights and Adam state hardly compress, and gzip -1 took 81 s for the 1.64 GB directory.
 #   RUNS=/tmp/runs PACK=/tmp/pack bash scripts/device/pack_run.sh
 set -o pipefail
 RUNS=${RUNS:-/tmp/runs} PACK=${PACK:-/tmp/pack} PART_BYTES=${PART_BYTES:-16000000}
@@ -11,11 +16,12 @@ if [ ! -f "$RUNS/main/checkpoints/latest" ]; then  # stopped before its first sa
   echo "pack rc=1 ($RUNS/main has no checkpoint: nothing to resume; start the run again)"
   exit 1
 fi
-tar -C "$RUNS" --exclude=main/run.lock --exclude=main/profile -cf - main | gzip -1 \
-  > "$PACK/run.tgz" || { echo "pack rc=1 (tar of $RUNS/main failed)"; exit 1; }
+ex=(--exclude=main/run.lock --exclude=main/profile)
+[ "${PACK_EVAL:-0}" = 1 ] || ex+=("--exclude=main/data/eval-*")
+tar -C "$RUNS" "${ex[@]}" -cf "$PACK/run.tar" main || { echo "pack rc=1 (tar of $RUNS/main failed)"; exit 1; }
 # SHA256 last: fetch_pack.sh takes its presence for a whole pack
-(cd "$PACK" && split -b "$PART_BYTES" -d -a 3 run.tgz part_ && sha256sum run.tgz > SHA256.tmp \
-  && rm run.tgz && mv SHA256.tmp SHA256) || { echo "pack rc=1 (split failed)"; exit 1; }
+(cd "$PACK" && split -b "$PART_BYTES" -d -a 3 run.tar part_ && sha256sum run.tar > SHA256.tmp \
+  && rm run.tar && mv SHA256.tmp SHA256) || { echo "pack rc=1 (split failed)"; exit 1; }
 n=$(ls "$PACK"/part_* | wc -l)
 echo "pack rc=0 $n parts, $(cat "$PACK"/part_* | wc -c) bytes, $(($(date +%s) - t)) s;" \
   "fetch with I=0..$(((n - 1) / 4)) bash scripts/device/fetch_pack.sh"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Here, after the fetch_pack.sh calls: the parts from their files_at folders into one tar.gz,
+# Here, after the fetch_pack.sh calls: the parts from their files_at folders into one tar,
 # checked against its SHA256, re-cut into CHUNK_BYTES upload chunks $ST/st_NN (one call each in
 # the next machine lease: README.md, "A run longer than one machine lease").
 #   bash scripts/device/relay_collect.sh /work/.device/13 /work/.device/14 ...
@@ -16,8 +16,8 @@ for i in $(seq 0 $((n - 1))); do
     exit 1
   }
 done
-cat "$tmp"/part_* > "$tmp/run.tgz"
+cat "$tmp"/part_* > "$tmp/run.tar"
 (cd "$tmp" && sha256sum --quiet -c SHA256) || { echo "the parts do not match SHA256: one missing (every I fetched?) or damaged" >&2; exit 1; }
 rm -rf "$ST" && mkdir -p "$ST" && cp "$tmp/SHA256" "$ST/"
-split -b "$CHUNK_BYTES" -d -a 2 "$tmp/run.tgz" "$ST/st_"
+split -b "$CHUNK_BYTES" -d -a 2 "$tmp/run.tar" "$ST/st_"
 echo "$n parts -> $(ls "$ST"/st_* | wc -l) upload chunks in $ST ($(cat "$ST"/st_* | wc -c) bytes)"
