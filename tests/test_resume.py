@@ -101,20 +101,29 @@ def test_run_name_resumes_that_run_in_its_dir_reusing_caches_and_metrics(tmp_pat
 def test_a_run_dir_moved_elsewhere_resumes_where_it_now_is(tmp_path, capsys):
     """A run directory copied to another machine or path (a preempted job restarted elsewhere;
     the device relay, scripts/device/README.md) resumes in its new place: its cache is read there,
-    its checkpoints and metrics go on there, and nothing is written under the old out_root."""
+    its checkpoints and metrics go on there, and nothing is written under the old out_root. Its
+eval sets' cache, left out, is rebuilt."""
     from dflash.run.launcher import launch
     from dflash.train.colocated import run_colocated
 
     old = tmp_path / "old"
-    run_colocated(typed(old, "run_name=r", "train.steps=6"), str(old / "r"), stop_at=4)
+    ev = ["eval.enabled=true", "eval.num_prompts=2", "eval.completion_len=8"]
+    run_colocated(typed(old, "run_name=r", "train.steps=6", *ev), str(old / "r"), stop_at=4)
     new = tmp_path / "elsewhere" / "moved"
     new.parent.mkdir()
     os.rename(old / "r", new)
+    # the relay's pack leaves out the eval sets' cache (scripts/device/pack_run.sh): rebuilt
+    evals = sorted(f for f in os.listdir(new / "data") if f.startswith("eval-"))
+    assert evals
+    for f in evals:
+        os.remove(new / "data" / f)
     capsys.readouterr()
     # what `train.py resume=NEW` composes: the run's own overrides (out_root=OLD) + resume
-    launch(compose(old, "train.steps=6", f"resume={new}"))
+    launch(compose(old, "train.steps=6", *ev, f"resume={new}"))
     out = capsys.readouterr().out
     assert "resumed from" in out and "at step 3" in out and "from cache" in out
+    assert "eval: 2 prompts" in out and "built in" in out
+    assert sorted(f for f in os.listdir(new / "data") if f.startswith("eval-")) == evals
     assert sorted(os.listdir(new / "checkpoints")) == ["latest", "step_00000003", "step_00000006"]
     assert [json.loads(x)["step"] for x in open(new / "metrics.jsonl") if "loss" in x][-1] == 6
     assert os.listdir(old) == []
