@@ -102,7 +102,7 @@ def test_a_run_dir_moved_elsewhere_resumes_where_it_now_is(tmp_path, capsys):
     """A run directory copied to another machine or path (a preempted job restarted elsewhere;
     the device relay, scripts/device/README.md) resumes in its new place: its cache is read there,
     its checkpoints and metrics go on there, and nothing is written under the old out_root. Its
-eval sets' cache, left out, is rebuilt."""
+    eval sets' cache, left out, is rebuilt."""
     from dflash.run.launcher import launch
     from dflash.train.colocated import run_colocated
 
