@@ -184,7 +184,7 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
     assert 50 < state["elapsed_s"] <= 60
 
 
-def test_the_first_steps_compile_is_neither_warmup_nor_a_steps_length(tmp_path, fake_time):
+def test_the_first_steps_compile_is_neither_warmup_nor_a_steps_length(tmp_path, fake_time, capsys):
     """The first step compiles (~30 s on the GPU recipes). Counted in the training window, it
     used up a 20-minute run's warmup (the second step ran at the peak lr); kept as the longest
     step, it held 30 s of the budget back for one more step at the end."""
@@ -204,6 +204,11 @@ def test_the_first_steps_compile_is_neither_warmup_nor_a_steps_length(tmp_path, 
     # step kept as the longest stopped it before 90 s)
     assert 108 < state["elapsed_s"] <= 120, state
     assert state["longest"]["step"] == 4.0
+    # train.log says so: 120 s - 33 s (step-0 eval, step 1) - 3.75 s (one more eval) = 83 s
+    assert (
+        "1.4 min of training from here; the lr warms up over the first 8 s"
+        in capsys.readouterr().out
+    )
 
 
 def test_budgeted_resume_continues_the_clock_and_equals_uninterrupted(tmp_path, fake_time):

@@ -126,6 +126,8 @@ def train_loop(
                 )
                 if warning is not None:
                     logger.info(warning)
+                if fresh:
+                    logger.info(budget.window_line(tc.warmup_ratio))
             if final or interrupted is not None:
                 break
             if stop_at is not None and trainer.step >= stop_at:
