@@ -128,24 +128,28 @@ def save_checkpoint(
     return final
 
 
+def _aside(root: str, name: str) -> str:
+    """root/name renamed to `.NAME.oldPID` (what a start's recovery looks for); returns that."""
+    old = os.path.join(root, f".{name}.old{os.getpid()}")
+    os.replace(os.path.join(root, name), old)
+    return old
+
+
 def _swap_in(root: str, name: str, tmp: str) -> None:
     """Rename the finished directory `tmp` to root/name; an existing one is moved aside first
-    (`.NAME.oldPID`) and removed after, so root/name is never half-written."""
+    and removed after, so root/name is never half-written."""
     final = os.path.join(root, name)
     if not os.path.exists(final):
         os.replace(tmp, final)
         return
-    old = os.path.join(root, f".{name}.old{os.getpid()}")
-    os.replace(final, old)
+    old = _aside(root, name)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove(root: str, name: str) -> None:
-    """root/name moved aside (`.NAME.oldPID`, as `_swap_in` does) and removed."""
-    old = os.path.join(root, f".{name}.old{os.getpid()}")
-    os.replace(os.path.join(root, name), old)
-    shutil.rmtree(old, ignore_errors=True)
+    """root/name moved aside, as `_swap_in` does, and removed."""
+    shutil.rmtree(_aside(root, name), ignore_errors=True)
 
 
 def _put_in_place(root: str, name: str, tmp: str, keep_last: int) -> None:
