@@ -375,3 +375,12 @@ def test_data_parallel_ranks_follow_one_budget_clock(tmp_path):
     assert r0["lrs"] == r1["lrs"] and max(r0["lrs"]) > 10 * r0["lrs"][-1]  # warmup and decay
     for k, v in r0["weights"].items():
         assert torch.equal(v, r1["weights"][k]), k
+
+
+def test_the_window_line_when_the_first_step_spent_the_budget():
+    c = Clock(0.0)
+    b = TimeBudget(1.0, now=c)
+    c.t = 70.0  # loading and the first step took more than the 60 s
+    b.start_training()
+    assert b.window_line(0.04) == "time budget: spent by the first step; the run ends with it"
+    assert b.done()

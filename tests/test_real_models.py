@@ -173,9 +173,10 @@ def test_coder_recipe_runs_on_its_budget_and_scores_humaneval(tmp_path):
         "+exp=smollm2_coder",
         "target.device=cpu",
         "target.dtype=float32",
-        # ~1.2 min go to loading, regeneration and the eval set on the CI machine; the first
-        # step (~20 s on CPU) runs whatever is left, so 1.5 min left it no room (flaky)
-        "train.time_budget_min=2",
+        # ~1.2 min go to loading, regeneration and the eval set on the CI machine (1.6 min on a
+        # loaded one); the first step (20-30 s on CPU) runs whatever is left, so 1.5 and 2 min
+        # left it no room (flaky: 2.13 of 2 min on a loaded machine, 2026-12-06)
+        "train.time_budget_min=3",
         f"data.code_dirs=[{code}]",
         "data.num_samples=24",
         "data.response_len=24",
@@ -199,7 +200,7 @@ def test_coder_recipe_runs_on_its_budget_and_scores_humaneval(tmp_path):
     log = (tmp_path / "r" / "train.log").read_text()
     assert "min spent before training" in log and "time budget: stopped at step" in log
     rows = [json.loads(x) for x in open(tmp_path / "r" / "metrics.jsonl")]
-    assert max(r["time/run_min"] for r in rows if "time/run_min" in r) <= 2
+    assert max(r["time/run_min"] for r in rows if "time/run_min" in r) <= 3
     last = [x for x in rows if "eval/tau" in x][-1]
     assert last["eval/num_prompts"] == 3 and last["step"] > 0
     assert (tmp_path / "r" / "metrics.png").is_file()

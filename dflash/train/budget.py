@@ -73,6 +73,8 @@ class TimeBudget:
     def window_line(self, warmup_ratio: float) -> str:
         """train.log's line when the training window opens (after the first step)."""
         window = self.total_s - self.reserve_s - self.train_t0
+        if window <= 0:
+            return "time budget: spent by the first step; the run ends with it"
         return (
             f"time budget: {window / 60:.1f} min of training from here; the lr warms up over the "
             f"first {warmup_ratio * window:.0f} s of them (train.warmup_ratio={warmup_ratio:g})"
