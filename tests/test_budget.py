@@ -127,8 +127,10 @@ def fake_time(monkeypatch):
     monkeypatch.setattr(tr, "TimeBudget", functools.partial(TimeBudget, now=clock))
     step, run = tr.DrafterTrainer.step_async, ev.Evaluator.run
 
-    def step_async(self, micro):
-        clock.t += clock.first_step if self.step == 0 else 4.0
+    def step_async(self, micro):  # a process's first step compiles: fresh or resumed
+        first = not getattr(self, "_stepped", False)
+        self._stepped = True
+        clock.t += clock.first_step if first else 4.0
         return step(self, micro)
 
     def eval_run(self, drafter, heads):
@@ -227,6 +229,29 @@ def test_budgeted_resume_continues_the_clock_and_equals_uninterrupted(tmp_path, 
         assert torch.allclose(a[k], b[k], rtol=0, atol=1e-7), k
     c = _master(ckpt)["drafter_fp32"]
     assert not torch.allclose(c["fc.weight"], a["fc.weight"])
+
+
+def test_a_resumed_runs_compile_does_not_move_its_schedule(tmp_path, fake_time):
+    """The resumed process compiles again in its first step (30 s here, 4 s a step): the learning
+    rate after it is the uninterrupted run's, as if that step had taken 4 s (counted as such, 30 s
+    moved the schedule by 26 s at once)."""
+    from dflash.train.colocated import run_colocated
+
+    two = "train.time_budget_min=2"
+    run_colocated(_cfg(tmp_path, None, two), str(tmp_path / "full"))
+    fake_time.t = 0.0
+    run_colocated(_cfg(tmp_path, None, two), str(tmp_path / "part"), stop_at=6)
+    fake_time.t, fake_time.first_step = 1000.0, 30.0
+    ckpt = str(tmp_path / "part" / "checkpoints" / "step_00000006")
+    cont = run_colocated(_cfg(tmp_path, ckpt, two), str(tmp_path / "part"))
+    lr = {
+        k: {r["step"]: r["train/lr"] for r in _rows(str(tmp_path / k)) if "train/lr" in r}
+        for k in ("full", "part")
+    }
+    assert lr["part"][8] == pytest.approx(lr["full"][8], rel=1e-6), (lr["part"], lr["full"])
+    assert lr["part"][9] < lr["full"][9]  # the rest spreads over the 26 s less the budget leaves
+    state = _master(cont["checkpoint"])["trainer"]["budget"]
+    assert state["longest"]["step"] == 4.0 and state["elapsed_s"] <= 120.0
 
 
 def test_budget_with_split_topology_is_refused_before_anything_runs():

@@ -273,7 +273,7 @@ def _step(
     metrics = {"data/epoch": source.stream.epoch}
     final = step == tc.steps
     if budget is not None and clock.first:  # it compiled: not warmup, nor a step's length
-        budget.start_training()
+        budget.first_step_done(budget.now() - b0)
     elif budget is not None:
         budget.note("step", budget.now() - b0)
     progress, interrupted = agree_max(  # one progress for every rank's learning rate
