@@ -95,6 +95,17 @@ class ExactRollback:
         return keep
 
 
+def roll_back(rollback, run, cache, snap, block, start: int, keep: int) -> int:
+    """After the verify forward of `block` ([1, B] from position `start`): the cache back to its
+    first `keep` tokens (bonus + accepted drafts). Returns the target tokens run again."""
+
+    def rerun():
+        pos = arange_row(start, keep, block.device)
+        run(block[:, :keep], pos, cache, want_aux=False, last_only=True)
+
+    return rollback.rollback(cache, snap, block.shape[1], keep, rerun)
+
+
 @torch.no_grad()
 def generate_chain(
     target,
@@ -143,13 +154,7 @@ def generate_chain(
         acc = min(leading_matches(draft, tgt[:-1]), max_new_tokens - len(out))
         new = draft[:acc].tolist() + [int(tgt[acc])]
         keep = acc + 1  # bonus + accepted drafts
-
-        def rerun(keep=keep, block=block, start=start):
-            run(
-                block[:, :keep], arange_row(start, keep, dev), cache, want_aux=False, last_only=True
-            )
-
-        res.verify_tokens += rollback.rollback(cache, snap, B, keep, rerun)
+        res.verify_tokens += roll_back(rollback, run, cache, snap, block, start, keep)
         ds.append(aux[0, :keep])
         res.accepted.append(acc)
         res.drafts.append(draft.tolist())

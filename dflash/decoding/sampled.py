@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..target.cache import cache_kw, new_cache
-from .chain import ExactRollback
+from .chain import ExactRollback, roll_back
 from .rejection import rejection_sample_block, warp
 from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
 
@@ -149,13 +149,7 @@ def sample_chain(
             acc, nxt = cap, int(draft[cap])
         new = draft[:acc].tolist() + [nxt]
         keep = acc + 1  # bonus + accepted drafts
-
-        def rerun(keep=keep, block=block, start=start):
-            run(
-                block[:, :keep], arange_row(start, keep, dev), cache, want_aux=False, last_only=True
-            )
-
-        res.verify_tokens += rollback.rollback(cache, snap, B, keep, rerun)
+        res.verify_tokens += roll_back(rollback, run, cache, snap, block, start, keep)
         ds.append(aux[0, :keep])
         res.accepted.append(acc)
         res.drafts.append(draft.tolist())
