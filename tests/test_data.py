@@ -561,8 +561,46 @@ def test_eval_set_cache_is_shared_across_data_cache_dirs(tmp_path, tiny_llama):
         b = build_eval_set(cfg(**other), tiny_llama, str(tmp_path), log=logs.append)
         assert any("from cache" in m for m in logs), other
         assert [torch.equal(x.aux_TF, y.aux_TF) for x, y in zip(a, b)] == [True, True]
-    (cache,) = [f for f in os.listdir(tmp_path) if f.startswith("eval-")]
-    assert os.stat(tmp_path / cache).st_mode & 0o044 == 0o044  # readable by group and others
+    cache, tokens = sorted(f for f in os.listdir(tmp_path) if f.startswith("eval-"))
+    assert tokens == cache.replace(".safetensors", ".tokens.safetensors")
+    for f in (cache, tokens):
+        assert os.stat(tmp_path / f).st_mode & 0o044 == 0o044  # readable by group and others
+
+
+def test_an_eval_set_without_its_cache_is_rebuilt_from_its_tokens_file(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """A run directory copied without its eval cache (a relay leg's pack, another machine) keeps
+    the ~1 % tokens file: the same prompts and completions come back without generating again
+    (a regenerated completion could change at a near-tie), the states recomputed along them."""
+    import dflash.eval.sets as sets
+    from dflash.config import EvalConfig, RunConfig
+
+    rc = RunConfig(
+        data=DataConfig(source="selfgen", num_samples=4, prompt_len=4),
+        eval=EvalConfig(num_prompts=3, completion_len=6, batch_size=2),
+    )
+    a = sets.build_eval_set(rc, tiny_llama, str(tmp_path / "run"), log=lambda *_: None)
+    cache, tokens = sorted((tmp_path / "run").iterdir())
+    assert tokens.stat().st_size < cache.stat().st_size / 5
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    os.rename(tokens, moved / tokens.name)  # the tokens file alone, where eval.py reads
+    os.remove(cache)
+
+    def no_generation(*_a, **_k):
+        raise AssertionError("the eval set was generated again")
+
+    monkeypatch.setattr(sets, "generate_greedy", no_generation)
+    logs = []
+    b = sets.build_eval_set(rc, tiny_llama, str(tmp_path / "new"), logs.append, read_dirs=(moved,))
+    assert any(f"prompts and completions of {moved / tokens.name}" in m for m in logs), logs
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert torch.equal(x.prompt_ids, y.prompt_ids)
+        assert torch.equal(x.completion_ids, y.completion_ids)
+        assert torch.allclose(x.aux_TF, y.aux_TF) and torch.allclose(x.final_LH, y.final_LH)
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [cache.name, tokens.name]
 
 
 def test_regeneration_says_how_long_it_will_take_after_the_first_batch(tiny_llama, monkeypatch):

@@ -1,7 +1,8 @@
 """A run longer than one 30-minute lease of the GPU machine goes in relay legs (scripts/device):
 the stopped run's directory is packed into parts a call can bring back, collected here into
 upload chunks, and unpacked on the next machine. The round trip must give back every file byte
-for byte (but the run lock, the profile and the eval sets' cache, which the resume rebuilds),
+for byte (but the run lock, the profile and the eval sets' cache, which the resume recomputes
+from the tokens files that do travel),
 and refuse a missing part or a damaged chunk
 instead of resuming from a broken run directory."""
 
@@ -50,7 +51,8 @@ def packed(tmp_path):
     (run / "checkpoints" / "latest").write_text("step_00000007")
     (run / "data").mkdir()
     (run / "data" / "train-abc.pt").write_bytes(bytes(range(256)) * 400)
-    (run / "data" / "eval-def.safetensors").write_bytes(os.urandom(300_000))  # rebuilt at resume
+    (run / "data" / "eval-def.safetensors").write_bytes(os.urandom(300_000))  # recomputed
+    (run / "data" / "eval-def.tokens.safetensors").write_bytes(os.urandom(3_000))  # from these
     (run / "metrics.jsonl").write_text('{"step": 7}\n')
     (run / "run.lock").write_text('{"pid": 1}\n')
     (run / "profile").mkdir()
@@ -78,9 +80,10 @@ def test_a_packed_run_comes_back_byte_for_byte(tmp_path, packed):
     assert sorted(os.listdir(st)) == ["SHA256"] + [f"st_0{i}" for i in range(5)]
     r = _sh("unpack_state.sh", {"STATE": st, "RUNS": tmp_path / "next"})
     assert "step_00000007" in r.stdout
-    left = ("run.lock", "profile/", "data/eval-")
+    left = ("run.lock", "profile/", "data/eval-def.safetensors")
     want = {k: v for k, v in _tree(run).items() if not k.startswith(left)}
-    assert "data/train-abc.pt" in want and len(want) == 5
+    assert "data/train-abc.pt" in want and "data/eval-def.tokens.safetensors" in want
+    assert len(want) == 6
     assert _tree(tmp_path / "next" / "main") == want
     assert not (st / "run.tar").exists()
 

@@ -117,7 +117,7 @@ def test_damaged_data_and_eval_caches_are_named(tmp_path, tiny_llama):
     assert f"the data cache {path} is damaged" in str(e.value) and "delete it" in str(e.value)
     rc = RunConfig(data=dc, eval=EvalConfig(num_prompts=2, completion_len=4, batch_size=2))
     build_eval_set(rc, tiny_llama, str(tmp_path), log=lambda *_: None)
-    (ev,) = [p for p in tmp_path.iterdir() if p.name.startswith("eval-")]
+    ev, _tokens = sorted(p for p in tmp_path.iterdir() if p.name.startswith("eval-"))
     ev.write_text('{"unterminated')
     with pytest.raises(ValueError) as e:
         build_eval_set(rc, tiny_llama, str(tmp_path), log=lambda *_: None)

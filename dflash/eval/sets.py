@@ -218,12 +218,20 @@ def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log)
     key = {**key, "data": data, "target": vars(cfg.target), "layers": target.layer_ids}
     text = json.dumps(key, sort_keys=True, default=str)
     name = f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.safetensors"
-    for d in (cache_dir, *read_dirs):
-        if d and os.path.exists(os.path.join(d, name)):
+    dirs = [d for d in (cache_dir, *read_dirs) if d]
+    for d in dirs:
+        if os.path.exists(os.path.join(d, name)):
             items = load_eval_set(os.path.join(d, name))
             log(f"eval: {len(items)} prompts from cache {os.path.join(d, name)}")
             return items
-    items = build()
+    tokens = tokens_path(name)
+    found = [os.path.join(d, tokens) for d in dirs if os.path.exists(os.path.join(d, tokens))]
+    if found:  # the same prompts and completions; the states recomputed on this machine
+        t0 = time.perf_counter()
+        log(f"eval: no cache; the target's states along the prompts and completions of {found[0]}")
+        items = _checked_items(target, load_eval_tokens(found[0]), t0, log)
+    else:
+        items = build()
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
         save_eval_set(items, os.path.join(cache_dir, name))
@@ -285,16 +293,28 @@ def _checked_items(target, pairs, t0: float, log) -> list[EvalItem]:
     return items
 
 
+def tokens_path(path: str) -> str:
+    """The eval set's prompts and completions alone, next to its cache (`eval-...-HASH.tokens
+    .safetensors`, ~1 % of it): without the cache (deleted, or a run directory copied without
+    it) the set is rebuilt from them, the same text on any machine; only the states are
+    recomputed (regenerating the completions could change them at a near-tie)."""
+    return path.removesuffix(".safetensors") + ".tokens.safetensors"
+
+
 def save_eval_set(items: list[EvalItem], path: str) -> None:
+    """The eval set's cache, and its tokens file (`tokens_path`)."""
     t = {}
     for i, it in enumerate(items):
-        t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"] = (
-            it.prompt_ids,
-            it.completion_ids,
-            it.aux_TF.contiguous(),
-        )
+        t[f"{i}.prompt"], t[f"{i}.completion"] = it.prompt_ids, it.completion_ids
+    _save(t, tokens_path(path))
+    for i, it in enumerate(items):
+        t[f"{i}.aux"] = it.aux_TF.contiguous()
         if it.final_LH is not None:
             t[f"{i}.final"] = it.final_LH.contiguous()
+    _save(t, path)
+
+
+def _save(t: dict, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with writing(path):
@@ -307,16 +327,26 @@ def save_eval_set(items: list[EvalItem], path: str) -> None:
     os.replace(tmp, path)
 
 
-def load_eval_set(path: str) -> list[EvalItem]:
+def _load(path: str) -> tuple[dict, int]:
     try:
         t = load_file(path)
-        n = len({k.split(".")[0] for k in t})
-        return [
-            EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
-            for i in range(n)
-        ]
     except Exception as e:  # safetensors raises several types for a damaged file
         raise ValueError(
             f"the eval-set cache {path} is damaged ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:120]}); delete it and start again: it is rebuilt"
         ) from None
+    return t, len({k.split(".")[0] for k in t})
+
+
+def load_eval_set(path: str) -> list[EvalItem]:
+    t, n = _load(path)
+    return [
+        EvalItem(t[f"{i}.prompt"], t[f"{i}.completion"], t[f"{i}.aux"], t.get(f"{i}.final"))
+        for i in range(n)
+    ]
+
+
+def load_eval_tokens(path: str) -> list[tuple[list[int], list[int]]]:
+    """(prompt, completion) token lists of a tokens file (`tokens_path`)."""
+    t, n = _load(path)
+    return [(t[f"{i}.prompt"].tolist(), t[f"{i}.completion"].tolist()) for i in range(n)]

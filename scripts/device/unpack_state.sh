@@ -10,4 +10,4 @@ STATE=${STATE:-/tmp/a/state} RUNS=${RUNS:-/tmp/runs}
 }
 rm -rf "$RUNS/main" && mkdir -p "$RUNS" && tar -C "$RUNS" -xf "$STATE/run.tar" || exit 1
 rm "$STATE/run.tar"
-echo "unpacked $RUNS/main: $(cat "$RUNS"/main/checkpoints/latest 2>/dev/null) (the eval sets' cache is rebuilt at the resume)"
+echo "unpacked $RUNS/main: $(cat "$RUNS"/main/checkpoints/latest 2>/dev/null) (the resume recomputes the eval sets' states from their tokens files)"
