@@ -273,22 +273,26 @@ def _turn_items(cfg, target, convs, log) -> list[EvalItem]:
 
 
 def _checked_items(target, pairs, t0: float, log) -> list[EvalItem]:
-    items = [consistent_greedy(target, p, c) for p, c in pairs if c]
-    items = [it for it in items if it.completion_ids.numel() >= 2]
+    checked = [(consistent_greedy(target, p, c), len(c)) for p, c in pairs if c]
+    cut = sum(it.completion_ids.numel() < n for it, n in checked)
+    items = [it for it, _ in checked if it.completion_ids.numel() >= 2]
     if not items:
         raise ValueError(
             "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
         )
     short = len(pairs) - len(items)
+    notes = []
+    if cut:
+        notes.append(
+            f"{cut} of {len(pairs)} completions cut where a one-shot forward of the target parts "
+            "from them, a near-tie"
+        )
+    if short:
+        notes.append(f"{short} left out: shorter than 2 tokens")
     log(
         f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy "
         f"tokens, built in {time.perf_counter() - t0:.1f} s"
-        + (
-            f" ({short} of {len(pairs)} left out: their batched greedy completion and a one-shot "
-            "forward disagree within 2 tokens, a near-tie)"
-            if short
-            else ""
-        )
+        + (f" ({'; '.join(notes)})" if notes else "")
     )
     return items
 
