@@ -603,6 +603,18 @@ def test_an_eval_set_without_its_cache_is_rebuilt_from_its_tokens_file(
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [cache.name, tokens.name]
 
 
+def test_sampled_regeneration_is_seeded_and_not_greedy(tiny_llama):
+    """data.regen_temperature > 0 samples the answers through HF generate: the same seed gives
+    the same answers, another seed others, and neither is the greedy text."""
+    from dflash.data.dataset import _generate_batch
+
+    prompts = random_prompts(4, 4, tiny_llama.vocab_size, [tiny_llama.mask_token_id], seed=5)
+    greedy = _generate_batch(tiny_llama, prompts, 12, 0.0, seed=0)
+    a, b = (_generate_batch(tiny_llama, prompts, 12, 1.5, seed=s) for s in (1, 1))
+    c = _generate_batch(tiny_llama, prompts, 12, 1.5, seed=2)
+    assert a == b and a != c and a != greedy and all(0 < len(r) <= 12 for r in a)
+
+
 def test_completions_cut_at_a_parting_forward_are_counted(tiny_llama):
     """A completion the one-shot forward parts from (a near-tie on the GPU; here a wrong token)
     is cut there, and the build line says how many were cut and how many left out."""

@@ -180,36 +180,12 @@ def _generate_batch(
         else (tok.eos_token_id if tok is not None else target.mask_token_id)
     )
     eos = tok.eos_token_id if tok is not None else None
-    if _static_path(target, temperature):
-        from ..target.regen import static_greedy_batch
+    from ..target.regen import hf_greedy_batch, static_greedy_batch
 
+    if _static_path(target, temperature):
         return static_greedy_batch(target, chunk, max_new_tokens, pad, eos, **(static_kw or {}))
-    L = max(len(p) for p in chunk)
-    ids = torch.full((len(chunk), L), pad, dtype=torch.long)
-    att = torch.zeros(len(chunk), L, dtype=torch.long)
-    for r, p in enumerate(chunk):
-        ids[r, L - len(p) :] = torch.tensor(p)
-        att[r, L - len(p) :] = 1
-    kw = (
-        dict(do_sample=False) if temperature <= 0 else dict(do_sample=True, temperature=temperature)
-    )
     torch.manual_seed(seed)
-    out = target.model.generate(
-        input_ids=ids.to(target.device),
-        attention_mask=att.to(target.device),
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=1 if eos is None else 0,
-        pad_token_id=pad,
-        eos_token_id=eos,
-        **kw,
-    )
-    responses = []
-    for r in range(len(chunk)):
-        resp = out[r, L:].tolist()
-        if eos is not None and eos in resp:
-            resp = resp[: resp.index(eos) + 1]
-        responses.append(resp)
-    return responses
+    return hf_greedy_batch(target, chunk, max_new_tokens, pad, eos, temperature)
 
 
 def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:

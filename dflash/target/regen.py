@@ -293,9 +293,13 @@ def static_greedy_batch(
     return cut_at_eos(toks, eos)
 
 
-def hf_greedy_batch(target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos):
-    """The same batch through HF `generate` (the reference the static path is checked against)."""
+def hf_greedy_batch(
+    target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, temperature: float = 0.0
+):
+    """The same batch through HF `generate` (the reference the static path is checked against);
+    temperature > 0 samples instead (seeded by the caller)."""
     ids, att = left_pad(chunk, pad)
+    how = dict(do_sample=True, temperature=temperature) if temperature > 0 else {"do_sample": False}
     out = target.model.generate(
         input_ids=ids.to(target.device),
         attention_mask=att.to(target.device),
@@ -303,6 +307,6 @@ def hf_greedy_batch(target, chunk: list[list[int]], max_new_tokens: int, pad: in
         min_new_tokens=1 if eos is None else 0,
         pad_token_id=pad,
         eos_token_id=eos,
-        do_sample=False,
+        **how,
     )
     return cut_at_eos(out[:, ids.shape[1] :], eos)
