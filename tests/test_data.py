@@ -601,6 +601,9 @@ def test_an_eval_set_without_its_cache_is_rebuilt_from_its_tokens_file(
         assert torch.equal(x.completion_ids, y.completion_ids)
         assert torch.allclose(x.aux_TF, y.aux_TF) and torch.allclose(x.final_LH, y.final_LH)
     assert sorted(p.name for p in (tmp_path / "new").iterdir()) == [cache.name, tokens.name]
+    os.remove(tmp_path / "new" / tokens.name)  # a cache written before tokens files existed
+    sets.build_eval_set(rc, tiny_llama, str(tmp_path / "new"), log=lambda *_: None)
+    assert (tmp_path / "new" / tokens.name).read_bytes() == (moved / tokens.name).read_bytes()
 
 
 def test_sampled_regeneration_is_seeded_and_not_greedy(tiny_llama):

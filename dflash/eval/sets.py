@@ -219,12 +219,14 @@ def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log)
     text = json.dumps(key, sort_keys=True, default=str)
     name = f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.safetensors"
     dirs = [d for d in (cache_dir, *read_dirs) if d]
+    tokens = tokens_path(name)
     for d in dirs:
         if os.path.exists(os.path.join(d, name)):
             items = load_eval_set(os.path.join(d, name))
             log(f"eval: {len(items)} prompts from cache {os.path.join(d, name)}")
+            if d == cache_dir and not os.path.exists(os.path.join(d, tokens)):  # an older cache
+                _save(_token_tensors(items), os.path.join(d, tokens))
             return items
-    tokens = tokens_path(name)
     found = [os.path.join(d, tokens) for d in dirs if os.path.exists(os.path.join(d, tokens))]
     if found:  # the same prompts and completions; the states recomputed on this machine
         t0 = time.perf_counter()
@@ -307,15 +309,20 @@ def tokens_path(path: str) -> str:
 
 def save_eval_set(items: list[EvalItem], path: str) -> None:
     """The eval set's cache, and its tokens file (`tokens_path`)."""
-    t = {}
-    for i, it in enumerate(items):
-        t[f"{i}.prompt"], t[f"{i}.completion"] = it.prompt_ids, it.completion_ids
+    t = _token_tensors(items)
     _save(t, tokens_path(path))
     for i, it in enumerate(items):
         t[f"{i}.aux"] = it.aux_TF.contiguous()
         if it.final_LH is not None:
             t[f"{i}.final"] = it.final_LH.contiguous()
     _save(t, path)
+
+
+def _token_tensors(items: list[EvalItem]) -> dict:
+    t = {}
+    for i, it in enumerate(items):
+        t[f"{i}.prompt"], t[f"{i}.completion"] = it.prompt_ids, it.completion_ids
+    return t
 
 
 def _save(t: dict, path: str) -> None:
