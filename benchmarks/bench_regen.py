@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--profile-new", type=int, default=32, help="--profile: tokens per decode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
+    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_generate_batch, left_pad
 
     target, weights = build_target(args.target, "auto")
     if args.dtype == "float32":
@@ -106,7 +106,7 @@ def main() -> None:
         sync(dev)
         return out, time.perf_counter() - t
 
-    hf_greedy_batch(target, prompts[:4], 8, pad, None)  # warm-up (kernels, allocator)
+    hf_generate_batch(target, prompts[:4], 8, pad, None)  # warm-up (kernels, allocator)
     static(prompts[:4], None)
     eos, p_end = None, None
     if args.eos == "auto" and weights == "random":
@@ -117,7 +117,7 @@ def main() -> None:
         eos = int(args.eos)
     ref, t_hf = None, float("nan")
     if not args.skip_hf:
-        ref, t_hf = timed(lambda: hf_greedy_batch(target, prompts, args.new, pad, eos))
+        ref, t_hf = timed(lambda: hf_generate_batch(target, prompts, args.new, pad, eos))
 
     def agree(a_rows, b_rows):
         same = sum(a == b for a, b in zip(a_rows, b_rows))

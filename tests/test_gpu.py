@@ -165,12 +165,12 @@ def test_flex_kernel_matches_dense_on_cuda(dtype):
 def test_static_graph_decoder_equals_generate_on_cuda():
     """The CUDA-graph replayed static-cache decoder gives generate's greedy tokens (fp32)."""
     from dflash.target.load import load_target
-    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
+    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_generate_batch, left_pad
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 500, (int(n),), generator=g).tolist() for n in (3, 9, 17, 5)]
-    ref = hf_greedy_batch(t, prompts, 40, 0, None)
+    ref = hf_generate_batch(t, prompts, 40, 0, None)
     ids, att = left_pad(prompts, 0)
     dec = StaticGreedyDecoder(t.model)
     got = cut_at_eos(dec.run(ids.cuda(), att.cuda(), 40, None), None)
@@ -182,11 +182,11 @@ def test_static_graph_decoder_compacts_on_cuda():
     from test_regen import _staggered
 
     from dflash.target.load import load_target
-    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_greedy_batch, left_pad
+    from dflash.target.regen import StaticGreedyDecoder, cut_at_eos, hf_generate_batch, left_pad
 
     t = load_target(target_cfg("tiny_llama", device="cuda", dtype="float32"), num_aux=3)
     prompts, eos = _staggered(t, 2)
-    ref = hf_greedy_batch(t, prompts, 40, 0, eos)
+    ref = hf_generate_batch(t, prompts, 40, 0, eos)
     ids, att = left_pad(prompts, 0)
     dec = StaticGreedyDecoder(t.model, compact=True, check_every=2, min_rows=1)
     got = cut_at_eos(dec.run(ids.cuda(), att.cuda(), 40, eos), eos)

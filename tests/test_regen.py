@@ -10,7 +10,7 @@ from dflash.data.shards import ResponseShards, pack_samples, unpack_samples
 from dflash.target.regen import (
     StaticGreedyDecoder,
     cut_at_eos,
-    hf_greedy_batch,
+    hf_generate_batch,
     left_pad,
     supports_static,
 )
@@ -24,13 +24,13 @@ def _prompts(n, seed=0):
 
 def test_static_decoder_equals_generate(tiny_llama):
     prompts = _prompts(5)
-    ref = hf_greedy_batch(tiny_llama, prompts, 20, 0, None)
+    ref = hf_generate_batch(tiny_llama, prompts, 20, 0, None)
     ids, att = left_pad(prompts, 0)
     got = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 20, None), None)
     assert got == ref
     # an EOS that some rows produce mid-way: rows are cut after it, exactly as generate does
     eos = ref[1][7]
-    ref_eos = hf_greedy_batch(tiny_llama, prompts, 20, 0, eos)
+    ref_eos = hf_generate_batch(tiny_llama, prompts, 20, 0, eos)
     got_eos = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 20, eos), eos)
     assert got_eos == ref_eos and any(len(r) < 20 for r in got_eos)
 
@@ -83,7 +83,7 @@ def test_compaction_gives_the_same_tokens(tiny_llama):
     for n_never in (0, 2):
         prompts, eos = _staggered(tiny_llama, n_never)
         B, ids_att = len(prompts), left_pad(prompts, 0)
-        ref = hf_greedy_batch(tiny_llama, prompts, 40, 0, eos)
+        ref = hf_generate_batch(tiny_llama, prompts, 40, 0, eos)
         assert len({len(r) for r in ref}) > 4 and sum(len(r) == 40 for r in ref) == n_never
         plain = StaticGreedyDecoder(tiny_llama.model, compact=False, check_every=2)
         large = StaticGreedyDecoder(
@@ -155,7 +155,7 @@ def test_static_decoder_steps_use_packed_gqa(tiny_llama, monkeypatch):
 
     monkeypatch.setattr(regen, "packed_gqa_sdpa", spy)
     prompts = _prompts(4, seed=1)
-    ref = hf_greedy_batch(tiny_llama, prompts, 12, 0, None)
+    ref = hf_generate_batch(tiny_llama, prompts, 12, 0, None)
     ids, att = left_pad(prompts, 0)
     got = cut_at_eos(StaticGreedyDecoder(tiny_llama.model).run(ids, att, 12, None), None)
     assert got == ref

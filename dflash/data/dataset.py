@@ -180,12 +180,12 @@ def _generate_batch(
         else (tok.eos_token_id if tok is not None else target.mask_token_id)
     )
     eos = tok.eos_token_id if tok is not None else None
-    from ..target.regen import hf_greedy_batch, static_greedy_batch
+    from ..target.regen import hf_generate_batch, static_greedy_batch
 
     if _static_path(target, temperature):
         return static_greedy_batch(target, chunk, max_new_tokens, pad, eos, **(static_kw or {}))
     torch.manual_seed(seed)
-    return hf_greedy_batch(target, chunk, max_new_tokens, pad, eos, temperature)
+    return hf_generate_batch(target, chunk, max_new_tokens, pad, eos, temperature)
 
 
 def _regen_key(prompts, max_new_tokens, batch_size, temperature, seed) -> str:

@@ -293,7 +293,7 @@ def static_greedy_batch(
     return cut_at_eos(toks, eos)
 
 
-def hf_greedy_batch(
+def hf_generate_batch(
     target, chunk: list[list[int]], max_new_tokens: int, pad: int, eos, temperature: float = 0.0
 ):
     """The same batch through HF `generate` (the reference the static path is checked against);
