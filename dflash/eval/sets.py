@@ -227,11 +227,11 @@ def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log)
             if d == cache_dir and not os.path.exists(os.path.join(d, tokens)):  # an older cache
                 _save(_token_tensors(items), os.path.join(d, tokens))
             return items
-    found = [os.path.join(d, tokens) for d in dirs if os.path.exists(os.path.join(d, tokens))]
+    found = next((p for d in dirs if os.path.exists(p := os.path.join(d, tokens))), None)
     if found:  # the same prompts and completions; the states recomputed on this machine
         t0 = time.perf_counter()
-        log(f"eval: no cache; the target's states along the prompts and completions of {found[0]}")
-        items = _checked_items(target, load_eval_tokens(found[0]), t0, log)
+        log(f"eval: no cache; the target's states along the prompts and completions of {found}")
+        items = _checked_items(target, load_eval_tokens(found), t0, log)
     else:
         items = build()
     if cache_dir:
@@ -309,9 +309,8 @@ def tokens_path(path: str) -> str:
 
 def save_eval_set(items: list[EvalItem], path: str) -> None:
     """The eval set's cache, and its tokens file (`tokens_path`)."""
-    t = _token_tensors(items)
-    _save(t, tokens_path(path))
-    for i, it in enumerate(items):
+    _save(t := _token_tensors(items), tokens_path(path))
+    for i, it in enumerate(items):  # the cache: the tokens and the states along them
         t[f"{i}.aux"] = it.aux_TF.contiguous()
         if it.final_LH is not None:
             t[f"{i}.final"] = it.final_LH.contiguous()
