@@ -141,6 +141,12 @@ def test_group_file_with_unknown_key_fails_at_composition(tmp_path):
     "group,kwargs,match",
     [
         ("TopologyConfig", {"timeout_s": 0}, "topology.timeout_s must be > 0"),
+        ("TrainConfig", {"lr": -1.0}, r"train.lr must be > 0 \(the peak learning rate"),
+        ("TrainConfig", {"clip_grad": 0.0}, "train.clip_grad must be > 0"),
+        ("TrainConfig", {"warmup_ratio": 1.5}, r"train.warmup_ratio must be in \[0, 1\]"),
+        ("TrainConfig", {"min_lr_ratio": -0.1}, r"train.min_lr_ratio must be in \[0, 1\]"),
+        ("TrainConfig", {"weight_decay": -0.01}, "train.weight_decay must be >= 0"),
+        ("TrainConfig", {"betas": [0.9, 1.0]}, r"train.betas must be two values in \[0, 1\)"),
         ("TopologyConfig", {"backend": "mpi"}, "topology.backend"),
         ("DataConfig", {"pack_to": 8, "max_length": 16}, "data.pack_to"),
         ("DrafterConfig", {"block_size": 1}, "drafter.block_size"),
