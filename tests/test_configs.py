@@ -151,6 +151,8 @@ def test_group_file_with_unknown_key_fails_at_composition(tmp_path):
         ("DataConfig", {"pack_to": 8, "max_length": 16}, "data.pack_to"),
         ("DrafterConfig", {"block_size": 1}, "drafter.block_size"),
         ("EvalConfig", {"budgets": [0, 4]}, "eval.budgets"),
+        ("EvalConfig", {"num_prompts": 0}, r"eval.num_prompts must be >= 1 \(eval.enabled=false"),
+        ("EvalConfig", {"completion_len": 0}, "eval.completion_len must be >= 1"),
         (
             "TrainConfig",
             {"fused_head": "on"},

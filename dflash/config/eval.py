@@ -63,6 +63,10 @@ class EvalConfig:
 
     def validate(self) -> None:
         self._validate_sets()
+        for key in ("num_prompts", "completion_len", "batch_size"):
+            if getattr(self, key) < 1:
+                hint = " (eval.enabled=false turns the eval off)" if key == "num_prompts" else ""
+                raise ValueError(f"eval.{key} must be >= 1{hint}, got {getattr(self, key)}")
         if self.real_decode_prompts < 0:
             raise ValueError(
                 f"eval.real_decode_prompts must be >= 0, got {self.real_decode_prompts}"
