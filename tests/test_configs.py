@@ -85,6 +85,9 @@ def test_v5_aux_layers_for_64_layer_target():
     from dflash.target.shape import default_layer_ids
 
     assert default_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+    assert default_layer_ids(8, 5) == [1, 2, 3, 4, 5]  # every layer of 1..L-3
+    with pytest.raises(ValueError, match=r"drafter.num_aux_layers=6: a 8-layer target has 5 "):
+        default_layer_ids(8, 6)  # would repeat a layer
 
 
 def test_v5_without_weights_names_the_key():
@@ -149,6 +152,8 @@ def test_group_file_with_unknown_key_fails_at_composition(tmp_path):
         ("TrainConfig", {"betas": [0.9, 1.0]}, r"train.betas must be two values in \[0, 1\)"),
         ("TopologyConfig", {"backend": "mpi"}, "topology.backend"),
         ("DataConfig", {"pack_to": 8, "max_length": 16}, "data.pack_to"),
+        ("DataConfig", {"num_samples": 0}, "data.num_samples must be >= 1"),
+        ("DataConfig", {"response_len": 0}, "data.response_len must be >= 1"),
         ("DrafterConfig", {"block_size": 1}, "drafter.block_size"),
         ("EvalConfig", {"budgets": [0, 4]}, "eval.budgets"),
         ("EvalConfig", {"num_prompts": 0}, r"eval.num_prompts must be >= 1 \(eval.enabled=false"),

@@ -116,6 +116,9 @@ class DataConfig:
                 "...]) or neither"
             )
         self._validate_mix()
+        for key in ("num_samples", "response_len", "max_length", "regen_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
         check_positive(
             "data.regen_time_limit_min", self.regen_time_limit_min, " minutes (null: all)"
         )

@@ -78,6 +78,12 @@ def default_layer_ids(num_target_layers: int, num_aux: int) -> list[int]:
     if num_aux == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
+    if num_aux > end - start + 1:
+        raise ValueError(
+            f"drafter.num_aux_layers={num_aux}: a {num_target_layers}-layer target has "
+            f"{max(end - start + 1, 0)} layers to spread them over (1..{end}); lower it, or list "
+            f"drafter.target_layer_ids (any distinct ids <= {num_target_layers - 2})"
+        )
     return [int(round(start + i * (end - start) / (num_aux - 1))) for i in range(num_aux)]
 
 
