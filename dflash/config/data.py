@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import check_choice, check_positive
+from .checks import check_at_least_one, check_choice, check_positive
 
 DATA_SOURCES = ("selfgen", "jsonl", "parquet", "hf", "stdlib", "humaneval", "mix")
 FILE_SOURCES = ("jsonl", "parquet", "hf")  # rows read from data.paths
@@ -116,9 +116,7 @@ class DataConfig:
                 "...]) or neither"
             )
         self._validate_mix()
-        for key in ("num_samples", "response_len", "max_length", "regen_batch_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"data.{key} must be >= 1, got {getattr(self, key)}")
+        check_at_least_one("data", self, "num_samples response_len max_length regen_batch_size")
         check_positive(
             "data.regen_time_limit_min", self.regen_time_limit_min, " minutes (null: all)"
         )

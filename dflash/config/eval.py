@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import check_choice
+from .checks import check_at_least_one, check_choice
 from .data import FORMATS
 
 EVAL_SET_SOURCES = ("humaneval", "jsonl", "parquet", "hf", "stdlib", "selfgen")
@@ -63,10 +63,8 @@ class EvalConfig:
 
     def validate(self) -> None:
         self._validate_sets()
-        for key in ("num_prompts", "completion_len", "batch_size"):
-            if getattr(self, key) < 1:
-                hint = " (eval.enabled=false turns the eval off)" if key == "num_prompts" else ""
-                raise ValueError(f"eval.{key} must be >= 1{hint}, got {getattr(self, key)}")
+        off = {"num_prompts": " (eval.enabled=false turns the eval off)"}
+        check_at_least_one("eval", self, "num_prompts completion_len batch_size", off)
         if self.real_decode_prompts < 0:
             raise ValueError(
                 f"eval.real_decode_prompts must be >= 0, got {self.real_decode_prompts}"

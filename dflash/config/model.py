@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_choice
+from .checks import check_at_least_one, check_choice
 
 LINEAR_ATTN_BACKENDS = ("auto", "fla", "torch")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -121,9 +121,9 @@ class DrafterConfig:
 
     def validate(self) -> None:
         check_choice("drafter.variant", self.variant, DRAFTER_VARIANTS)
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"drafter.{key} must be >= 1, got {getattr(self, key)}")
+        check_at_least_one(
+            "drafter", self, "conv_kernel_size conv_group_size selector_rank selector_top_k"
+        )
         if self.block_size < 2:
             raise ValueError(
                 f"drafter.block_size must be >= 2 (the anchor plus at least one drafted "

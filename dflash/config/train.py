@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .checks import check_choice, check_positive
+from .checks import check_at_least_one, check_choice, check_positive
 from .model import DTYPES
 
 LOSSES = ("hard_ce", "soft_kl", "variable_prefix", "dpace")
@@ -113,14 +113,16 @@ class TrainConfig:
         check_positive("train.time_budget_min", self.time_budget_min, " minutes")
         check_positive("train.lr", self.lr, " (the peak learning rate, e.g. 6e-4)")
         check_positive("train.clip_grad", self.clip_grad, " (the max gradient norm, e.g. 1.0)")
-        for key, hi in (("min_lr_ratio", 1.0), ("warmup_ratio", 1.0)):
-            if not 0.0 <= getattr(self, key) <= hi:
+        for key in ("min_lr_ratio", "warmup_ratio"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"train.{key} must be in [0, 1], got {getattr(self, key)}")
         if self.weight_decay < 0:
             raise ValueError(f"train.weight_decay must be >= 0, got {self.weight_decay}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"train.betas must be two values in [0, 1), got {list(self.betas)}")
-        at_least_one = "steps micro_batch_size grad_accum max_anchors log_every eval_every"
-        for key in (at_least_one + " save_every lm_head_chunk profile_steps").split():
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+        check_at_least_one(
+            "train",
+            self,
+            "steps micro_batch_size grad_accum max_anchors log_every eval_every save_every "
+            "lm_head_chunk profile_steps",
+        )
