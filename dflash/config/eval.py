@@ -10,6 +10,40 @@ from .data import FORMATS
 EVAL_SET_SOURCES = ("humaneval", "jsonl", "parquet", "hf", "stdlib", "selfgen")
 
 
+@dataclass(frozen=True)
+class TreeRule:
+    """How a tree's node scores are built, for an offline A/B of trees (``eval.tree_rules``;
+    dflash.decoding.ddtree.TreeRows.from_scores); the drafter's own rule is ``TreeRule()``. Parsed from a name of ``_``-joined parts:
+    ``t<T>`` divides the drafter's scores by T before the softmax (T < 1 spends the budget
+    deeper along the likeliest tokens, T > 1 wider), and ``coverage`` (DFlash2) scales each
+    depth's candidate rows by the share of softmax(logits) its K candidates hold, which makes
+    the selector's rows a distribution over the whole vocabulary. E.g. ``t0.7``,
+    ``coverage_t1.5``."""
+
+    name: str = ""
+    temperature: float = 1.0
+    coverage: bool = False
+
+    @classmethod
+    def parse(cls, name: str) -> TreeRule:
+        temperature, coverage = 1.0, False
+        for part in str(name).split("_"):
+            if part == "coverage" and not coverage:
+                coverage = True
+                continue
+            try:
+                temperature = float(part[1:]) if part.startswith("t") else float("nan")
+            except ValueError:
+                temperature = float("nan")
+            if not temperature > 0 or temperature == float("inf"):
+                raise ValueError(
+                    f"tree rule {name!r}: unknown part {part!r}; a rule is '_'-joined parts "
+                    "t<T> (T > 0, the scores' temperature) and coverage, e.g. t0.7 or "
+                    "coverage_t1.5"
+                )
+        return cls(str(name), temperature, coverage)
+
+
 @dataclass
 class EvalSetConfig:
     name: str = ""  # the set's figures: eval/<name>/tau, ... (console, metrics.jsonl, wandb, plot)
@@ -52,6 +86,10 @@ class EvalConfig:
     # == AR (dflash.eval.speed), and sampled at each temperature (dflash.eval.decode)
     real_decode_prompts: int = 0
     decode_tree_budgets: list[int] = field(default_factory=lambda: [64])  # its DDTree budgets
+    # an offline A/B of how DDTree's trees are built: each rule's trees walked beside the
+    # drafter's own (eval/rule/<name>/tau@<b>); names as TreeRule (above) parses
+    # them: t<T> (the tree's scores at temperature T), coverage (DFlash2), e.g. [t0.7, coverage]
+    tree_rules: list[str] = field(default_factory=list)
     # Named eval sets, each evaluated and reported on its own (eval/<name>/tau ...), e.g.
     # [{name: humaneval, source: humaneval}, {name: chat, source: jsonl, paths: [...], heldout: true}].
     # Empty: one set from eval.source / eval.paths (eval/tau ...)
@@ -73,6 +111,9 @@ class EvalConfig:
             bad = [b for b in getattr(self, key) if b < 1]
             if bad:
                 raise ValueError(f"eval.{key} must all be >= 1 (DDTree node budgets); got {bad}")
+        rules = [TreeRule.parse(r).name for r in self.tree_rules]  # ValueError naming a bad one
+        if len(set(rules)) < len(rules):
+            raise ValueError(f"eval.tree_rules names a rule twice: {rules}")
         if any(t < 0 for t in self.temperatures):
             raise ValueError(f"eval.temperatures must be >= 0, got {list(self.temperatures)}")
         if not 0 < self.top_p <= 1 or self.top_k < 0:

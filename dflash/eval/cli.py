@@ -157,6 +157,7 @@ def _evaluate_set(rc: RunConfig, target, drafter, items, n_real: int) -> tuple[l
         temperatures=rc.eval.temperatures,
         top_p=rc.eval.top_p,
         top_k=rc.eval.top_k,
+        tree_rules=rc.eval.tree_rules,
     )
     if n_real:
         summary.update(decode_report(target, drafter, items, n_real, rc.eval, log=print))

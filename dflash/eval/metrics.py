@@ -238,6 +238,8 @@ class PromptReport:
     pos_hits: Tensor  # [D] long
     pos_totals: Tensor  # [D] long
     prompt_id: str | int | None = None
+    # DDTree walks of the trees of other rules (eval.tree_rules): rule name -> budget -> walk
+    rule_trees: dict[str, dict[int, TreeWalk]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Per-prompt figures (JSON-friendly)."""
@@ -251,6 +253,9 @@ class PromptReport:
         for b, w in sorted(self.trees.items()):
             out[f"dds@{b}"] = w.dds
             out[f"tau@{b}"] = w.tau
+        for rule, walks in self.rule_trees.items():
+            for b, w in sorted(walks.items()):
+                out[f"rule/{rule}/tau@{b}"] = w.tau
         acc = self.pos_hits.double() / self.pos_totals.double()
         for k, a in enumerate(acc.tolist(), start=1):
             out[f"acc_pos_{k}"] = a
@@ -284,11 +289,22 @@ def evaluate_prompt(
     return PromptReport(walk_chain(draft_LD, greedy_L), trees, hits, totals, prompt_id)
 
 
+def _tree_figures(out: dict, trees: list[dict], prefix: str) -> None:
+    """dds@b, tau@b, num_rounds@b over the prompts' walks (budget -> TreeWalk each)."""
+    for b in sorted({b for t in trees for b in t}):
+        walks = [t[b] for t in trees if b in t]
+        n = sum(w.num_rounds for w in walks)
+        dds = sum(sum(w.accepted) for w in walks) / n if n else math.nan
+        out[f"{prefix}dds@{b}"] = dds
+        out[f"{prefix}tau@{b}"] = dds + 1.0
+        out[f"{prefix}num_rounds@{b}"] = n
+
+
 def summarize(reports: Sequence[PromptReport]) -> dict[str, float]:
     """Aggregate figures, micro-averaged over rounds (and over anchors for acc_pos_k).
 
     Keys: num_prompts, num_rounds, streak, tau, dds@{b}, tau@{b}, num_rounds@{b},
-    acc_pos_{k} (1-based k). A budget is aggregated over the prompts that report it.
+    acc_pos_{k} (1-based k), and per other tree rule rule/{name}/dds@{b} (tau@, num_rounds@). A budget is aggregated over the prompts that report it.
     Means with no rounds are nan.
     """
     out: dict[str, float] = {"num_prompts": len(reports)}
@@ -297,13 +313,9 @@ def summarize(reports: Sequence[PromptReport]) -> dict[str, float]:
     out["num_rounds"] = rounds
     out["streak"] = accepted / rounds if rounds else math.nan
     out["tau"] = out["streak"] + 1.0
-    for b in sorted({b for r in reports for b in r.trees}):
-        walks = [r.trees[b] for r in reports if b in r.trees]
-        n = sum(w.num_rounds for w in walks)
-        dds = sum(sum(w.accepted) for w in walks) / n if n else math.nan
-        out[f"dds@{b}"] = dds
-        out[f"tau@{b}"] = dds + 1.0
-        out[f"num_rounds@{b}"] = n
+    _tree_figures(out, [r.trees for r in reports], "")
+    for rule in dict.fromkeys(k for r in reports for k in r.rule_trees):
+        _tree_figures(out, [r.rule_trees.get(rule, {}) for r in reports], f"rule/{rule}/")
     if reports:
         D = max(r.pos_hits.numel() for r in reports)
         hits = torch.zeros(D, dtype=torch.long)

@@ -18,12 +18,13 @@ import contextlib
 
 import torch
 
+from ..config.eval import TreeRule
 from ..decoding.ddtree import TreeRows
 from ..decoding.rejection import expected_accepted, overlap
 from ..decoding.sampled import Sampling
 from ..drafter.blocks import build_blocks, mask_rules
 from ..drafter.model import DFlashDrafter
-from .metrics import evaluate_prompt, summarize
+from .metrics import evaluate_prompt, summarize, walk_ddtree
 from .sets import EvalItem, build_eval_sets
 
 
@@ -36,9 +37,11 @@ def draft_all_anchors(
     anchor_chunk: int = 64,
     dtype: torch.dtype = torch.float32,
     sampling: tuple | None = None,
+    rule: TreeRule | None = None,
 ):
     """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K]
-    for DDTree (a drafter with `tree_scores`, DFlash2: its TreeRows over [L] anchors, and None).
+    for DDTree (a drafter with `tree_scores`, DFlash2: its TreeRows over [L] anchors, and None),
+    their scores built by `rule` (None: the drafter's own, as real tree decoding builds them).
     sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
     the acceptance probability sum_x min(p, q) ([..., 0]) and the probability min(p(g), q(g))
     of accepting the greedy token g ([..., 1]), p from the cached target states along the
@@ -54,6 +57,7 @@ def draft_all_anchors(
     aux = item.aux_TF.to(dev, dtype)[None]
     ctx_kv = drafter.context_kv(drafter.context(aux), pos)
     drafts, lps, tids, alphas = [], [], [], []
+    rule = rule or TreeRule()
     for s in range(0, L, anchor_chunk):
         anchors = (P + torch.arange(s, min(L, s + anchor_chunk), device=dev))[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -77,9 +81,14 @@ def draft_all_anchors(
             alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
         scored = drafter.tree_scores(h, logits, ids[0, anchors[0]]) if top_k > 0 else None
         if scored is not None:  # DFlash2: the selector's conditional rows
-            lps.append(TreeRows.from_scores(*scored))
+            lps.append(_rule_rows(logits, *scored, rule))
         elif top_k > 0:
-            logp = torch.log_softmax(logits, -1)
+            if rule.coverage:
+                raise ValueError(
+                    f"tree rule {rule.name!r}: coverage applies to DFlash2's selector rows "
+                    "(drafter.variant=dflash2); a DFlash tree already spans the whole vocabulary"
+                )
+            logp = torch.log_softmax(logits / rule.temperature, -1)
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
             tids.append(i.cpu())
@@ -89,6 +98,16 @@ def draft_all_anchors(
         return rows + (torch.cat(alphas),) if sampling is not None else rows
     out = (draft, torch.cat(lps), torch.cat(tids)) if top_k > 0 else (draft, None, None)
     return out + (torch.cat(alphas),) if sampling is not None else out
+
+
+def _rule_rows(logits_nDV, scores_nDKK, cand_nDK, rule: TreeRule) -> TreeRows:
+    """DFlash2's rows by `rule`: the selector's scores at its temperature and, for coverage,
+    each depth's rows scaled by the softmax(logits) mass of its candidates."""
+    mass = None
+    if rule.coverage:
+        lg = logits_nDV.float()
+        mass = torch.logsumexp(lg.gather(-1, cand_nDK), -1) - torch.logsumexp(lg, -1)
+    return TreeRows.from_scores(scores_nDKK, cand_nDK, rule.temperature, mass)
 
 
 def _chunk_overlaps(drafter, heads, h_nDH, q_logits_nDV, draft_nD, item: EvalItem, s0, *sampling):
@@ -155,8 +174,11 @@ def evaluate(
     temperatures=(),
     top_p: float = 1.0,
     top_k: int = 0,
+    tree_rules=(),
 ):
-    """Per-prompt reports and the summary (micro-averaged over rounds). With temperatures, the
+    """Per-prompt reports and the summary (micro-averaged over rounds). ``tree_rules`` (names,
+    dflash.config.eval.TreeRule): DDTree walked again with each rule's trees, figures
+    rule/<name>/tau@<b> beside the drafter's own tau@<b>. With temperatures, the
     summary also has, per temperature T, 1 + the expected accepted length per round of the
     greedy walk: tau_t{T}, an upper estimate (the target's distributions kept on the greedy path
     after a non-greedy draft token is accepted), and tau_t{T}_lower, a lower bound (only
@@ -168,6 +190,7 @@ def evaluate(
     temps = [float(t) for t in temperatures]
     sampling = (temps, top_p, top_k) if temps else None
     expected = torch.zeros(len(temps), 2, dtype=torch.float64)  # [upper estimate, lower bound]
+    rules = [TreeRule.parse(r) for r in tree_rules] if budgets else []
     for n, it in enumerate(items):
         draft, lp, ids, *alpha = draft_all_anchors(
             drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype, sampling=sampling
@@ -186,6 +209,11 @@ def evaluate(
             prompt_id=n,
             tree_rows=rows,
         )
+        for rule in rules:
+            _, lp, ids = draft_all_anchors(
+                drafter, heads, it, top_k=max(budgets), dtype=dtype, rule=rule
+            )
+            rep.rule_trees[rule.name] = _rule_walks(lp, ids, it, budgets, heads)
         reports.append(rep)
         if temps and rep.chain.anchors:
             a = alpha[0][rep.chain.anchors]  # [rounds, D, t, 2]
@@ -202,6 +230,14 @@ def evaluate(
         if t > 0:  # at T=0 both are tau
             summary[f"tau_t{t:g}_lower"] = lower
     return reports, summary
+
+
+def _rule_walks(lp, ids, item: EvalItem, budgets, heads):
+    """DDTree walks over one rule's tree inputs (DFlash2's TreeRows or DFlash's top-k)."""
+    if isinstance(lp, TreeRows):
+        return walk_ddtree(None, None, item.completion_ids, budgets, tree_rows=lp)
+    full_vocab = lp.shape[-1] == heads.lm_head.weight.shape[0]
+    return walk_ddtree(lp, ids, item.completion_ids, budgets, full_vocab=full_vocab)
 
 
 @contextlib.contextmanager
@@ -230,17 +266,19 @@ class Evaluator:
     eval.py's on the checkpoint saved at the same step. `sets`: name -> items ("" for the one
     unnamed set; a list is that set)."""
 
-    def __init__(self, sets, budgets, temperatures=(), top_p=1.0, top_k=0):
+    def __init__(self, sets, budgets, temperatures=(), top_p=1.0, top_k=0, tree_rules=()):
         self.sets = sets if isinstance(sets, dict) else {"": sets}
         self.budgets = list(budgets)
-        self.sampling = dict(temperatures=list(temperatures), top_p=top_p, top_k=top_k)
+        self.sampling = dict(
+            temperatures=list(temperatures), top_p=top_p, top_k=top_k, tree_rules=list(tree_rules)
+        )
         self.reports_by_set: dict[str, list] = {}  # per-prompt reports of the last run, per set
 
     @classmethod
     def from_config(cls, cfg, target, cache_dir: str | None, log=print) -> Evaluator:
         e = cfg.eval
         sets = build_eval_sets(cfg, target, cache_dir, log)
-        return cls(sets, e.budgets, e.temperatures, e.top_p, e.top_k)
+        return cls(sets, e.budgets, e.temperatures, e.top_p, e.top_k, e.tree_rules)
 
     def prefixes(self) -> list[str]:
         """What each set's figures start with (eval/ or eval/<set>/)."""

@@ -57,6 +57,7 @@ def print_report(
         *sorted(k for k in summary if k.startswith("decode_") and not is_speed_key(k)),
         *[f"dds@{b}" for b in budgets],
         *[f"tau@{b}" for b in budgets],
+        *[k for k in summary if k.startswith("rule/") and "/tau@" in k],
         *sorted(
             (k for k in summary if k.startswith("acc_pos_")), key=lambda k: int(k.rsplit("_", 1)[1])
         ),

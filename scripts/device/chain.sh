@@ -34,6 +34,7 @@ echo "ckpt $ck" >> /tmp/res/status
 # cache; RDCHAT real-decoded prompts, default 0); with HELDOUT=N, N stdlib prompts training did
 # not read (same format and domain as the training prompts: beside HumanEval's tau it separates
 # over-fitting from the stdlib -> HumanEval shift). Without either, the run's own eval sets.
+# EVALX: more eval.py overrides, e.g. EVALX="eval.tree_rules=[t0.7,coverage]" (an A/B of trees).
 sets="" extra=""
 if [ -f /tmp/a/sharegpt/sharegpt.jsonl ]; then
   sets="$sets, {name: sharegpt, source: jsonl, paths: [/tmp/a/sharegpt/sharegpt.jsonl], \
@@ -46,10 +47,11 @@ real_decode_prompts: 0}"
 fi
 if [ -n "$sets" ]; then
   sets="eval.sets=[{name: humaneval, source: humaneval, num_prompts: 164}$sets]"
-  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "$sets" $extra out=/tmp/res/eval.json \
-    > /tmp/res/eval.out 2>&1
+  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "$sets" $extra $EVALX \
+    out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
 else
-  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
+  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} $EVALX out=/tmp/res/eval.json \
+    > /tmp/res/eval.out 2>&1
 fi
 echo "eval rc=$? $(date +%s)" >> /tmp/res/status
 if [ -n "${BENCH:-}" ]; then  # the loop bench on this run's own samples (same rows / anchors)
