@@ -160,6 +160,11 @@ def test_each_set_is_evaluated_and_reported_under_its_name(tmp_path, tiny_llama,
         # recipe's in-loop set), so a named set in eval.py scores what the loop scored
         unnamed = replace(rc, eval=replace(rc.eval, sets=[], source="humaneval"))
         (plain,) = build_eval_sets(unnamed, tiny_llama, str(tmp_path / "cache")).values()
+        # which trees are scored (or at which temperatures) is not the set: the same cache files
+        cached = sorted(os.listdir(tmp_path / "cache"))
+        rules = replace(rc, eval=replace(rc.eval, tree_rules=["t2"], temperatures=[0.0, 1.0]))
+        build_eval_sets(rules, tiny_llama, str(tmp_path / "cache"))
+        assert sorted(os.listdir(tmp_path / "cache")) == cached
     finally:
         del os.environ["DFLASH_ASSETS"]
     assert list(sets) == ["code", "chat"] and len(sets["code"]) == 2
@@ -169,8 +174,9 @@ def test_each_set_is_evaluated_and_reported_under_its_name(tmp_path, tiny_llama,
     assert len(sets["chat"]) == 2  # one user turn each: one prompt each
     drafter = make_drafter(tiny_llama)
     heads = Heads(tiny_llama.embed_tokens, tiny_llama.lm_head)
-    ev = Evaluator(sets, [4])
+    ev = Evaluator(sets, [4], tree_rules=["t1"])
     out = ev.run(drafter, heads)
+    assert "eval/chat/rule/t1/tau@4" in out and "eval/code/rule/t1/tau@4" in out
     _, alone = evaluate(drafter, heads, sets["chat"], [4])
     assert out["eval/chat/tau"] == pytest.approx(alone["tau"]) and "eval/code/tau@4" in out
     assert not any(k.startswith("eval/tau") for k in out)  # no unnamed set

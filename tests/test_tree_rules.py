@@ -25,7 +25,7 @@ from dflash.tools.testing import OracleDrafter
 
 def test_rule_names_parse_and_bad_ones_are_refused():
     assert TreeRule.parse("t0.7") == TreeRule("t0.7", 0.7, False)
-    assert TreeRule.parse("coverage") == TreeRule("coverage", 1.0, True)
+    assert TreeRule.parse("coverage") == TreeRule("coverage", None, True)  # own temperature
     assert TreeRule.parse("coverage_t1.5") == TreeRule("coverage_t1.5", 1.5, True)
     for bad in ("t0", "t-1", "tx", "wide", "coverage_coverage", "t0.5_", "tinf"):
         with pytest.raises(ValueError, match="tree rule"):
@@ -63,8 +63,9 @@ def _brute_force_tau(target, d, prompt, item, rule: TreeRule, budget: int) -> fl
         with torch.no_grad():
             h = ds.draft_hidden(P + i, comp[i])[None]
             logits = d.logits(h, target.lm_head.weight)
-            scores, cand = d.tree_scores(h, logits, torch.tensor([comp[i]]))
-        lp = torch.log_softmax(scores[0].double() / rule.temperature, -1)  # [D, P, K]
+            scores, cand = d.tree_scores(h, logits, torch.tensor([comp[i]]), 1.0)
+        T = rule.temperature or d.tree_temperature  # the drafter's own: DFlash2 1.5
+        lp = torch.log_softmax(scores[0].double() / T, -1)  # [D, P, K]
         if rule.coverage:
             lg = logits[0].double()
             mass = torch.logsumexp(lg.gather(-1, cand[0]), -1) - torch.logsumexp(lg, -1)
@@ -89,7 +90,7 @@ def _brute_force_tau(target, d, prompt, item, rule: TreeRule, budget: int) -> fl
     return 1.0 + sum(accepted) / len(accepted)
 
 
-@pytest.mark.parametrize("rule", ["t1", "t0.5", "t3", "coverage", "coverage_t0.6"])
+@pytest.mark.parametrize("rule", ["t1", "t1.5", "t0.5", "coverage", "coverage_t0.6"])
 def test_rule_figures_equal_brute_force(rule):
     target, heads, prompt, item, d = _setup(block_size=4)
     budgets = [3, 9]
@@ -98,9 +99,11 @@ def test_rule_figures_equal_brute_force(rule):
     for b in budgets:
         want = _brute_force_tau(target, d, prompt, item, r, b)
         assert summary[f"rule/{rule}/tau@{b}"] == pytest.approx(want, abs=1e-12), (rule, b)
-        # the drafter's own figures are untouched, and are the rule t1's
+        # the drafter's own figures are untouched: its scores at its tree_temperature (1.5)
         own = _brute_force_tau(target, d, prompt, item, TreeRule(), b)
         assert summary[f"tau@{b}"] == pytest.approx(own, abs=1e-12)
+        if rule == "t1.5":
+            assert summary[f"rule/{rule}/tau@{b}"] == summary[f"tau@{b}"]
 
 
 def test_rules_change_the_tree():
@@ -118,11 +121,12 @@ def test_coverage_without_pair_term_is_ddtree_over_the_logits():
     DDTree (exact for budgets <= K)."""
     _, heads, _, item, d = _setup(block_size=6, zero_pair=True)
     budgets = [2, 5]  # selector_top_k = 5
-    _, cov = evaluate(d, heads, [item], budgets, tree_rules=["coverage"])
-    d.tree_scores = lambda *a: None  # the drafter's own tree becomes the per-position one
-    _, flat = evaluate(d, heads, [item], budgets)
+    _, cov = evaluate(d, heads, [item], budgets, tree_rules=["coverage_t1"])
+    d.tree_scores = lambda *a: None  # the drafter's tree becomes the per-position one
+    _, flat = evaluate(d, heads, [item], budgets, tree_rules=["t1"])
     for b in budgets:
-        assert cov[f"rule/coverage/tau@{b}"] == pytest.approx(flat[f"tau@{b}"], abs=1e-12), b
+        got, want = cov[f"rule/coverage_t1/tau@{b}"], flat[f"rule/t1/tau@{b}"]
+        assert got == pytest.approx(want, abs=1e-12), b
     assert cov["tau"] == flat["tau"]
 
 

@@ -12,21 +12,21 @@ EVAL_SET_SOURCES = ("humaneval", "jsonl", "parquet", "hf", "stdlib", "selfgen")
 
 @dataclass(frozen=True)
 class TreeRule:
-    """How a tree's node scores are built, for an offline A/B of trees (``eval.tree_rules``;
-    dflash.decoding.ddtree.TreeRows.from_scores); the drafter's own rule is ``TreeRule()``. Parsed from a name of ``_``-joined parts:
-    ``t<T>`` divides the drafter's scores by T before the softmax (T < 1 spends the budget
-    deeper along the likeliest tokens, T > 1 wider), and ``coverage`` (DFlash2) scales each
-    depth's candidate rows by the share of softmax(logits) its K candidates hold, which makes
-    the selector's rows a distribution over the whole vocabulary. E.g. ``t0.7``,
-    ``coverage_t1.5``."""
+    """How a tree's node scores are built, for an offline A/B of trees (``eval.tree_rules``);
+    the drafter's own rule is ``TreeRule()`` (its scores at its ``tree_temperature``: DFlash 1,
+    DFlash2 1.5). Parsed from a name of ``_``-joined parts: ``t<T>`` puts the drafter's scores
+    at temperature T before the softmax (a lower T spends the budget deeper along the likeliest
+    tokens, a higher T wider), and ``coverage`` (DFlash2) scales each depth's candidate rows by
+    the share of softmax(logits) its K candidates hold, which makes the selector's rows a
+    distribution over the whole vocabulary. E.g. ``t1``, ``coverage_t1.5``."""
 
     name: str = ""
-    temperature: float = 1.0
+    temperature: float | None = None  # None: the drafter's own tree_temperature
     coverage: bool = False
 
     @classmethod
     def parse(cls, name: str) -> TreeRule:
-        temperature, coverage = 1.0, False
+        temperature, coverage = None, False
         for part in str(name).split("_"):
             if part == "coverage" and not coverage:
                 coverage = True

@@ -263,17 +263,13 @@ class TreeRows:
 
     @classmethod
     def from_scores(
-        cls,
-        scores_nDKK: Tensor,
-        cand_nDK: Tensor,
-        temperature: float = 1.0,
-        log_mass_nD: Tensor | None = None,
+        cls, scores_nDKK: Tensor, cand_nDK: Tensor, log_mass_nD: Tensor | None = None
     ) -> TreeRows:
         """From the children's scores [n, D, K(parent), K(child)] (logits of q(. | parent)),
-        on any device; stored on the CPU. ``temperature`` divides the scores, and
-        ``log_mass_nD`` (log of a mass per depth, e.g. the share of softmax(logits) the
-        depth's K candidates hold) is added to every row of that depth (eval.tree_rules)."""
-        lp = torch.log_softmax(scores_nDKK.detach().double() / temperature, -1)
+        on any device; stored on the CPU. ``log_mass_nD`` (log of a mass per depth, e.g. the
+        share of softmax(logits) the depth's K candidates hold) is added to every row of that
+        depth (eval.tree_rules)."""
+        lp = torch.log_softmax(scores_nDKK.detach().double(), -1)
         if log_mass_nD is not None:
             lp = lp + log_mass_nD.detach().double()[:, :, None, None]
         lp, order = torch.sort(lp, dim=-1, descending=True, stable=True)

@@ -194,11 +194,12 @@ class DrafterState:
     def draft_tree(self, start: int, bonus: int, budget: int):
         """The draft tree of `budget` nodes for the block anchored at `start`, by the drafter's
         own rule: DDTree over the per-position distributions (DFlash), over the selector's
-        conditional rows (DFlash2: `tree_scores`)."""
+        conditional rows (DFlash2: `tree_scores`), each at the drafter's `tree_temperature`."""
         h, logits, anchor = self._block(start, bonus)
-        scored = self.drafter.tree_scores(h, logits, anchor)
+        scored = self.drafter.tree_scores(h, logits, anchor)  # at its own tree_temperature
         if scored is None:
-            return build_ddtree(torch.log_softmax(logits[0], -1), budget)
+            T = self.drafter.tree_temperature
+            return build_ddtree(torch.log_softmax(logits[0] / T, -1), budget)
         return build_cond_tree(TreeRows.from_scores(*scored), budget)
 
     @torch.no_grad()

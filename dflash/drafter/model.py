@@ -227,10 +227,13 @@ class DFlashDrafter(nn.Module):
         distributions along a known continuation. DFlash's do not depend on prev."""
         return sampling.probs(logits_nDV)
 
-    def tree_scores(self, h_nDH, logits_nDV, anchor_n):
+    tree_temperature = 1.0  # DDTree over softmax(logits / T) (DFlash2: its selector's rows)
+
+    def tree_scores(self, h_nDH, logits_nDV, anchor_n, temperature: float | None = None):
         """The draft tree's children scores when a position depends on the token before it:
-        (scores [n, D, K, K], candidates [n, D, K]) for dflash.decoding.ddtree.TreeRows. None:
-        DFlash's positions are independent, and its tree is DDTree over softmax(logits)."""
+        (scores [n, D, K, K] at `temperature`, None: the drafter's own `tree_temperature`;
+        candidates [n, D, K]) for dflash.decoding.ddtree.TreeRows. None: DFlash's positions are
+        independent, and its tree is DDTree over softmax(logits)."""
         return None
 
 

@@ -79,7 +79,9 @@ def draft_all_anchors(
         drafts.append(draft.cpu())
         if sampling is not None:
             alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
-        scored = drafter.tree_scores(h, logits, ids[0, anchors[0]]) if top_k > 0 else None
+        scored = None
+        if top_k > 0:
+            scored = drafter.tree_scores(h, logits, ids[0, anchors[0]], rule.temperature)
         if scored is not None:  # DFlash2: the selector's conditional rows
             lps.append(_rule_rows(logits, *scored, rule))
         elif top_k > 0:
@@ -88,7 +90,7 @@ def draft_all_anchors(
                     f"tree rule {rule.name!r}: coverage applies to DFlash2's selector rows "
                     "(drafter.variant=dflash2); a DFlash tree already spans the whole vocabulary"
                 )
-            logp = torch.log_softmax(logits / rule.temperature, -1)
+            logp = torch.log_softmax(logits / (rule.temperature or drafter.tree_temperature), -1)
             v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
             lps.append(v.cpu())
             tids.append(i.cpu())
@@ -101,13 +103,13 @@ def draft_all_anchors(
 
 
 def _rule_rows(logits_nDV, scores_nDKK, cand_nDK, rule: TreeRule) -> TreeRows:
-    """DFlash2's rows by `rule`: the selector's scores at its temperature and, for coverage,
-    each depth's rows scaled by the softmax(logits) mass of its candidates."""
+    """DFlash2's rows (the selector's scores, already at the rule's temperature) and, for
+    coverage, each depth's rows scaled by the softmax(logits) mass of its candidates."""
     mass = None
     if rule.coverage:
         lg = logits_nDV.float()
         mass = torch.logsumexp(lg.gather(-1, cand_nDK), -1) - torch.logsumexp(lg, -1)
-    return TreeRows.from_scores(scores_nDKK, cand_nDK, rule.temperature, mass)
+    return TreeRows.from_scores(scores_nDKK, cand_nDK, mass)
 
 
 def _chunk_overlaps(drafter, heads, h_nDH, q_logits_nDV, draft_nD, item: EvalItem, s0, *sampling):

@@ -31,6 +31,7 @@ NOT_IN_KEY = (
     "decode_tree_budgets",
     "show_rounds",
     "enabled",
+    "tree_rules",  # which trees are scored on the set, not the set
 )
 # (the eval sets answer every turn that fits: data.max_turns is training's)
 DATA_NOT_IN_KEY = (

@@ -108,6 +108,10 @@ class OracleDrafter(torch.nn.Module):
     def tree_scores(self, *args, **kw):
         return self.base.tree_scores(*args, **kw)
 
+    @property
+    def tree_temperature(self) -> float:
+        return self.base.tree_temperature
+
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)
 
