@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Remote call after the other chunks are up: copy the last chunk, assemble, start chain.sh detached
+# Remote call after the other chunks are up: copy the last chunk (every chunk this call carries in
+# .gl/, or LAST), assemble, start chain.sh detached
 # with setsid (it outlives the call while the machine stays warm), then wait like wait_run.sh.
-#   EXP=smollm2_coder LAST=sm_01 BUDGET=20 EXTRA="data.num_samples=48000" bash scripts/device/start_run.sh
+#   EXP=smollm2_coder BUDGET=20 EXTRA="data.num_samples=48000" bash scripts/device/start_run.sh
 #   CHAIN=grid.sh BUDGET=6 GRID="a:train.max_anchors=64;b:train.max_anchors=32" bash scripts/device/start_run.sh
 #   BUDGET=60 STOP_AFTER_S=1400 bash scripts/device/start_run.sh       (a relay's first leg)
 #   RESUME=1 STOP_AFTER_S=1350 bash scripts/device/start_run.sh        (the next, .st uploaded)
 source scripts/device/env.sh
-cp .gl/${LAST:-q05_07} /tmp/a/parts/
+if [ -n "${LAST:-}" ]; then cp .gl/$LAST /tmp/a/parts/; else cp .gl/* /tmp/a/parts/; fi
 assemble || exit 1
 if [ "${RESUME:-0}" = 1 ]; then bash scripts/device/unpack_state.sh || exit 1; fi  # a later relay leg
 rm -rf /tmp/repo && mkdir -p /tmp/repo && cp -r $(ls -A | grep -v '^.gl$') /tmp/repo/
