@@ -38,10 +38,14 @@ def draft_all_anchors(
     dtype: torch.dtype = torch.float32,
     sampling: tuple | None = None,
     rule: TreeRule | None = None,
+    more_rules=(),
+    rule_out: dict | None = None,
 ):
     """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K]
     for DDTree (a drafter with `tree_scores`, DFlash2: its TreeRows over [L] anchors, and None),
-    their scores built by `rule` (None: the drafter's own, as real tree decoding builds them).
+    their scores built by `rule` (None: the drafter's own, as real tree decoding builds them);
+    `more_rules` (TreeRule): each one's tree inputs too, from the same forward, into
+    `rule_out[name]` (TreeRows, or the (logprobs, ids) pair).
     sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
     the acceptance probability sum_x min(p, q) ([..., 0]) and the probability min(p(g), q(g))
     of accepting the greedy token g ([..., 1]), p from the cached target states along the
@@ -58,6 +62,7 @@ def draft_all_anchors(
     ctx_kv = drafter.context_kv(drafter.context(aux), pos)
     drafts, lps, tids, alphas = [], [], [], []
     rule = rule or TreeRule()
+    more = {r.name: [] for r in more_rules}
     for s in range(0, L, anchor_chunk):
         anchors = (P + torch.arange(s, min(L, s + anchor_chunk), device=dev))[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -79,27 +84,43 @@ def draft_all_anchors(
         drafts.append(draft.cpu())
         if sampling is not None:
             alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
-        scored = None
         if top_k > 0:
-            scored = drafter.tree_scores(h, logits, ids[0, anchors[0]], rule.temperature)
-        if scored is not None:  # DFlash2: the selector's conditional rows
-            lps.append(_rule_rows(logits, *scored, rule))
-        elif top_k > 0:
-            if rule.coverage:
-                raise ValueError(
-                    f"tree rule {rule.name!r}: coverage applies to DFlash2's selector rows "
-                    "(drafter.variant=dflash2); a DFlash tree already spans the whole vocabulary"
-                )
-            logp = torch.log_softmax(logits / (rule.temperature or drafter.tree_temperature), -1)
-            v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
-            lps.append(v.cpu())
-            tids.append(i.cpu())
+            main = _tree_input(drafter, h, logits, ids[0, anchors[0]], top_k, rule)
+            if isinstance(main, TreeRows):  # DFlash2: the selector's conditional rows
+                lps.append(main)
+            else:
+                lps.append(main[0])
+                tids.append(main[1])
+            for r in more_rules:
+                more[r.name].append(_tree_input(drafter, h, logits, ids[0, anchors[0]], top_k, r))
+    if rule_out is not None:
+        for name, parts in more.items():
+            if parts and isinstance(parts[0], TreeRows):
+                rule_out[name] = TreeRows.cat(parts)
+            else:
+                rule_out[name] = tuple(torch.cat(x) for x in zip(*parts)) if parts else (None, None)
     draft = torch.cat(drafts)
     if lps and isinstance(lps[0], TreeRows):
         rows = (draft, TreeRows.cat(lps), None)
         return rows + (torch.cat(alphas),) if sampling is not None else rows
     out = (draft, torch.cat(lps), torch.cat(tids)) if top_k > 0 else (draft, None, None)
     return out + (torch.cat(alphas),) if sampling is not None else out
+
+
+def _tree_input(drafter, h_nDH, logits_nDV, anchor_n, top_k: int, rule: TreeRule):
+    """One chunk's tree inputs by `rule`: DFlash2's TreeRows, or DFlash's top-k (logprobs, ids)
+    of softmax(logits / T), on the CPU."""
+    scored = drafter.tree_scores(h_nDH, logits_nDV, anchor_n, rule.temperature)
+    if scored is not None:
+        return _rule_rows(logits_nDV, *scored, rule)
+    if rule.coverage:
+        raise ValueError(
+            f"tree rule {rule.name!r}: coverage applies to DFlash2's selector rows "
+            "(drafter.variant=dflash2); a DFlash tree already spans the whole vocabulary"
+        )
+    logp = torch.log_softmax(logits_nDV / (rule.temperature or drafter.tree_temperature), -1)
+    v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    return v.cpu(), i.cpu()
 
 
 def _rule_rows(logits_nDV, scores_nDKK, cand_nDK, rule: TreeRule) -> TreeRows:
@@ -194,8 +215,16 @@ def evaluate(
     expected = torch.zeros(len(temps), 2, dtype=torch.float64)  # [upper estimate, lower bound]
     rules = [TreeRule.parse(r) for r in tree_rules] if budgets else []
     for n, it in enumerate(items):
+        by_rule: dict = {}
         draft, lp, ids, *alpha = draft_all_anchors(
-            drafter, heads, it, top_k=max(budgets, default=0), dtype=dtype, sampling=sampling
+            drafter,
+            heads,
+            it,
+            top_k=max(budgets, default=0),
+            dtype=dtype,
+            sampling=sampling,
+            more_rules=rules,
+            rule_out=by_rule,
         )
         rows = lp if isinstance(lp, TreeRows) else None
         if rows is not None:
@@ -211,11 +240,8 @@ def evaluate(
             prompt_id=n,
             tree_rows=rows,
         )
-        for rule in rules:
-            _, lp, ids = draft_all_anchors(
-                drafter, heads, it, top_k=max(budgets), dtype=dtype, rule=rule
-            )
-            rep.rule_trees[rule.name] = _rule_walks(lp, ids, it, budgets, heads)
+        for name, inputs in by_rule.items():  # each rule's trees, from the same forward
+            rep.rule_trees[name] = _rule_walks(inputs, it, budgets, heads)
         reports.append(rep)
         if temps and rep.chain.anchors:
             a = alpha[0][rep.chain.anchors]  # [rounds, D, t, 2]
@@ -234,10 +260,11 @@ def evaluate(
     return reports, summary
 
 
-def _rule_walks(lp, ids, item: EvalItem, budgets, heads):
+def _rule_walks(inputs, item: EvalItem, budgets, heads):
     """DDTree walks over one rule's tree inputs (DFlash2's TreeRows or DFlash's top-k)."""
-    if isinstance(lp, TreeRows):
-        return walk_ddtree(None, None, item.completion_ids, budgets, tree_rows=lp)
+    if isinstance(inputs, TreeRows):
+        return walk_ddtree(None, None, item.completion_ids, budgets, tree_rows=inputs)
+    lp, ids = inputs
     full_vocab = lp.shape[-1] == heads.lm_head.weight.shape[0]
     return walk_ddtree(lp, ids, item.completion_ids, budgets, full_vocab=full_vocab)
 
