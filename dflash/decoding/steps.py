@@ -198,8 +198,7 @@ class DrafterState:
         h, logits, anchor = self._block(start, bonus)
         scored = self.drafter.tree_scores(h, logits, anchor)  # at its own tree_temperature
         if scored is None:
-            T = self.drafter.tree_temperature
-            return build_ddtree(torch.log_softmax(logits[0] / T, -1), budget)
+            return build_ddtree(self.drafter.tree_logprobs(logits[0]), budget)
         return build_cond_tree(TreeRows.from_scores(*scored), budget)
 
     @torch.no_grad()

@@ -229,6 +229,10 @@ class DFlashDrafter(nn.Module):
 
     tree_temperature = 1.0  # DDTree over softmax(logits / T) (DFlash2: its selector's rows)
 
+    def tree_logprobs(self, logits_xV, temperature: float | None = None):
+        """log softmax(logits / T) of each position, DFlash's tree (T None: `tree_temperature`)."""
+        return torch.log_softmax(logits_xV / (temperature or self.tree_temperature), -1)
+
     def tree_scores(self, h_nDH, logits_nDV, anchor_n, temperature: float | None = None):
         """The draft tree's children scores when a position depends on the token before it:
         (scores [n, D, K, K] at `temperature`, None: the drafter's own `tree_temperature`;

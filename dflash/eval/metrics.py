@@ -304,8 +304,8 @@ def summarize(reports: Sequence[PromptReport]) -> dict[str, float]:
     """Aggregate figures, micro-averaged over rounds (and over anchors for acc_pos_k).
 
     Keys: num_prompts, num_rounds, streak, tau, dds@{b}, tau@{b}, num_rounds@{b},
-    acc_pos_{k} (1-based k), and per other tree rule rule/{name}/dds@{b} (tau@, num_rounds@). A budget is aggregated over the prompts that report it.
-    Means with no rounds are nan.
+    acc_pos_{k} (1-based k), and per other tree rule rule/{name}/dds@{b} (tau@, num_rounds@).
+    A budget is aggregated over the prompts that report it. Means with no rounds are nan.
     """
     out: dict[str, float] = {"num_prompts": len(reports)}
     rounds = sum(r.chain.num_rounds for r in reports)

@@ -37,13 +37,12 @@ def draft_all_anchors(
     anchor_chunk: int = 64,
     dtype: torch.dtype = torch.float32,
     sampling: tuple | None = None,
-    rule: TreeRule | None = None,
     more_rules=(),
     rule_out: dict | None = None,
 ):
     """Drafts for every completion index as anchor: draft_LD, and top-k logprobs/ids [L, D, K]
     for DDTree (a drafter with `tree_scores`, DFlash2: its TreeRows over [L] anchors, and None),
-    their scores built by `rule` (None: the drafter's own, as real tree decoding builds them);
+    their scores built by the drafter's own rule, as real tree decoding builds them;
     `more_rules` (TreeRule): each one's tree inputs too, from the same forward, into
     `rule_out[name]` (TreeRows, or the (logprobs, ids) pair).
     sampling=(temperatures, top_p, top_k): also alpha_LDt2, per (anchor, position, temperature)
@@ -61,7 +60,6 @@ def draft_all_anchors(
     aux = item.aux_TF.to(dev, dtype)[None]
     ctx_kv = drafter.context_kv(drafter.context(aux), pos)
     drafts, lps, tids, alphas = [], [], [], []
-    rule = rule or TreeRule()
     more = {r.name: [] for r in more_rules}
     for s in range(0, L, anchor_chunk):
         anchors = (P + torch.arange(s, min(L, s + anchor_chunk), device=dev))[None]
@@ -85,7 +83,7 @@ def draft_all_anchors(
         if sampling is not None:
             alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
         if top_k > 0:
-            main = _tree_input(drafter, h, logits, ids[0, anchors[0]], top_k, rule)
+            main = _tree_input(drafter, h, logits, ids[0, anchors[0]], top_k, TreeRule())
             if isinstance(main, TreeRows):  # DFlash2: the selector's conditional rows
                 lps.append(main)
             else:
@@ -118,7 +116,7 @@ def _tree_input(drafter, h_nDH, logits_nDV, anchor_n, top_k: int, rule: TreeRule
             f"tree rule {rule.name!r}: coverage applies to DFlash2's selector rows "
             "(drafter.variant=dflash2); a DFlash tree already spans the whole vocabulary"
         )
-    logp = torch.log_softmax(logits_nDV / (rule.temperature or drafter.tree_temperature), -1)
+    logp = drafter.tree_logprobs(logits_nDV, rule.temperature)
     v, i = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     return v.cpu(), i.cpu()
 

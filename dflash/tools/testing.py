@@ -112,6 +112,9 @@ class OracleDrafter(torch.nn.Module):
     def tree_temperature(self) -> float:
         return self.base.tree_temperature
 
+    def tree_logprobs(self, *args, **kw):
+        return self.base.tree_logprobs(*args, **kw)
+
     def context_kv(self, ctx, pos):
         return self.base.context_kv(ctx, pos)
 
