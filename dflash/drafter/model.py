@@ -231,7 +231,8 @@ class DFlashDrafter(nn.Module):
 
     def tree_logprobs(self, logits_xV, temperature: float | None = None):
         """log softmax(logits / T) of each position, DFlash's tree (T None: `tree_temperature`)."""
-        return torch.log_softmax(logits_xV / (temperature or self.tree_temperature), -1)
+        t = self.tree_temperature if temperature is None else temperature
+        return torch.log_softmax(logits_xV / t, -1)
 
     def tree_scores(self, h_nDH, logits_nDV, anchor_n, temperature: float | None = None):
         """The draft tree's children scores when a position depends on the token before it:

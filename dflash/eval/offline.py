@@ -59,8 +59,9 @@ def draft_all_anchors(
     seg = torch.zeros(1, T, dtype=torch.long, device=dev)
     aux = item.aux_TF.to(dev, dtype)[None]
     ctx_kv = drafter.context_kv(drafter.context(aux), pos)
-    drafts, lps, tids, alphas = [], [], [], []
-    more = {r.name: [] for r in more_rules}
+    drafts, alphas = [], []
+    rules = [TreeRule(), *more_rules]  # the drafter's own tree first (name "")
+    parts = {r.name: [] for r in rules}
     for s in range(0, L, anchor_chunk):
         anchors = (P + torch.arange(s, min(L, s + anchor_chunk), device=dev))[None]
         valid = torch.ones_like(anchors, dtype=torch.bool)
@@ -78,31 +79,28 @@ def draft_all_anchors(
         h = drafter(emb, blk.block_pos_NQ, blk.masks, ctx_kv=ctx_kv)
         h = h.view(anchors.shape[1], spec.block_size, -1)[:, 1:]
         logits = drafter.logits(h, heads.lm_head.weight, heads.bias)
-        draft = drafter.propose(h, logits, ids[0, anchors[0]])[0]
+        anchor_ids = ids[0, anchors[0]]
+        draft = drafter.propose(h, logits, anchor_ids)[0]
         drafts.append(draft.cpu())
         if sampling is not None:
             alphas.append(_chunk_overlaps(drafter, heads, h, logits, draft, item, s, *sampling))
         if top_k > 0:
-            main = _tree_input(drafter, h, logits, ids[0, anchors[0]], top_k, TreeRule())
-            if isinstance(main, TreeRows):  # DFlash2: the selector's conditional rows
-                lps.append(main)
-            else:
-                lps.append(main[0])
-                tids.append(main[1])
-            for r in more_rules:
-                more[r.name].append(_tree_input(drafter, h, logits, ids[0, anchors[0]], top_k, r))
+            for r in rules:
+                parts[r.name].append(_tree_input(drafter, h, logits, anchor_ids, top_k, r))
+    trees = {name: _joined(chunks) for name, chunks in parts.items()}
     if rule_out is not None:
-        for name, parts in more.items():
-            if parts and isinstance(parts[0], TreeRows):
-                rule_out[name] = TreeRows.cat(parts)
-            else:
-                rule_out[name] = tuple(torch.cat(x) for x in zip(*parts)) if parts else (None, None)
-    draft = torch.cat(drafts)
-    if lps and isinstance(lps[0], TreeRows):
-        rows = (draft, TreeRows.cat(lps), None)
-        return rows + (torch.cat(alphas),) if sampling is not None else rows
-    out = (draft, torch.cat(lps), torch.cat(tids)) if top_k > 0 else (draft, None, None)
+        rule_out.update((r.name, trees[r.name]) for r in more_rules)
+    own = trees[""]
+    out = (torch.cat(drafts), *((own, None) if isinstance(own, TreeRows) else own))
     return out + (torch.cat(alphas),) if sampling is not None else out
+
+
+def _joined(chunks):
+    """One rule's tree inputs over every anchor chunk: DFlash2's TreeRows, DFlash's (logprobs,
+    ids), or (None, None) where no tree was asked for (top_k 0)."""
+    if chunks and isinstance(chunks[0], TreeRows):
+        return TreeRows.cat(chunks)
+    return tuple(torch.cat(x) for x in zip(*chunks)) if chunks else (None, None)
 
 
 def _tree_input(drafter, h_nDH, logits_nDV, anchor_n, top_k: int, rule: TreeRule):
