@@ -18,16 +18,7 @@ from ..target.cache import (
     restore_linear_state,
     snapshot_linear_state,
 )
-from .steps import (
-    DecodeResult,
-    DrafterState,
-    TargetRunner,
-    arange_row,
-    as_prompt,
-    finish,
-    leading_matches,
-    sync,
-)
+from .steps import DecodeResult, SpecLoop, arange_row, as_prompt, leading_matches, sync
 
 
 @torch.no_grad()
@@ -124,45 +115,24 @@ def generate_chain(
     argmax); by default the drafter's own rule drafts (`DrafterState.draft`).
     """
     rollback = rollback if rollback is not None else ExactRollback()
-    model, dev = target.model, target.device
-    run = TargetRunner(target)
-    ids = as_prompt(target, prompt_ids)
-    P = ids.shape[1]
-    B = drafter.spec.block_size
-    sync(dev)
-    t0 = time.perf_counter()
-    cache = new_cache(model)
+    loop = SpecLoop(target, drafter, prompt_ids, max_new_tokens, eos_token_id)
+    run, cache, dev, B = loop.run, loop.cache, loop.dev, drafter.spec.block_size
     rollback.begin(cache)
-    greedy, aux = run(ids, arange_row(0, P, dev), cache, last_only=True)
-    out = [int(greedy[0, -1])]
-    ds = DrafterState(target, drafter)
-    ds.append(aux[0])
-    sync(dev)
-    res = DecodeResult("chain", [], prefill_s=time.perf_counter() - t0)
-    start = P
-    while len(out) < max_new_tokens and out[-1] != eos_token_id:
-        bonus = out[-1]
+    loop.prefill("chain", int)
+    while loop.going:
+        bonus, start = loop.bonus, loop.start
         if draft_fn is None:  # the drafter's own rule (DFlash2: the selector's path)
-            draft = ds.draft(start, bonus)[0].to(dev)  # [D]
+            draft = loop.ds.draft(start, bonus)[0].to(dev)  # [D]
         else:
-            draft = draft_fn(ds, start, bonus).argmax(-1).to(dev)
+            draft = draft_fn(loop.ds, start, bonus).argmax(-1).to(dev)
         block = torch.cat([torch.tensor([bonus], device=dev), draft])[None]
         snap = rollback.before_verify(cache)
         greedy, aux = run(block, arange_row(start, B, dev), cache)
-        res.verify_tokens += B
+        loop.res.verify_tokens += B
         tgt = greedy[0]  # [B]
-        acc = min(leading_matches(draft, tgt[:-1]), max_new_tokens - len(out))
-        new = draft[:acc].tolist() + [int(tgt[acc])]
+        acc = min(leading_matches(draft, tgt[:-1]), loop.cap)
         keep = acc + 1  # bonus + accepted drafts
-        res.verify_tokens += roll_back(rollback, run, cache, snap, block, start, keep)
-        ds.append(aux[0, :keep])
-        res.accepted.append(acc)
-        res.drafts.append(draft.tolist())
-        out.extend(new)
-        start += keep
-        if eos_token_id is not None and eos_token_id in new:
-            break
-    sync(dev)
-    res.tokens = finish(out, max_new_tokens, eos_token_id)
-    res.wall_s = time.perf_counter() - t0
-    return res
+        loop.res.verify_tokens += roll_back(rollback, run, cache, snap, block, start, keep)
+        loop.res.drafts.append(draft.tolist())
+        loop.commit(draft[:acc].tolist() + [int(tgt[acc])], aux[0, :keep])
+    return loop.result()

@@ -29,7 +29,7 @@ import torch
 from ..target.cache import cache_kw, new_cache
 from .chain import ExactRollback, roll_back
 from .rejection import rejection_sample_block, warp
-from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
+from .steps import DecodeResult, SpecLoop, arange_row, as_prompt, sync
 
 
 @dataclass(frozen=True)
@@ -112,29 +112,19 @@ def sample_chain(
     start, bonus) -> logits [D, V], or (logits, tokens [D]) for a drafter that draws its own
     tokens (tests: a sequential oracle whose q is the target's p)."""
     rollback = rollback if rollback is not None else ExactRollback()
-    model, dev = target.model, target.device
-    gen = sampling.generator(dev)
-    run = TargetRunner(target)
-    ids = as_prompt(target, prompt_ids)
-    P = ids.shape[1]
-    B = drafter.spec.block_size
-    sync(dev)
-    t0 = time.perf_counter()
-    cache = new_cache(model)
+    gen = sampling.generator(target.device)
+    loop = SpecLoop(target, drafter, prompt_ids, max_new_tokens, eos_token_id)
+    run, cache, dev, B = loop.run, loop.cache, loop.dev, drafter.spec.block_size
     rollback.begin(cache)
-    logits, aux = run(ids, arange_row(0, P, dev), cache, last_only=True, logits=True)
-    out = [_draw(sampling.probs(logits[0, -1]), gen)]
-    ds = DrafterState(target, drafter)
-    ds.append(aux[0])
-    sync(dev)
-    res = DecodeResult(f"chain_{sampling.tag}", [], prefill_s=time.perf_counter() - t0)
-    start = P
-    while len(out) < max_new_tokens and out[-1] != eos_token_id:
-        bonus = out[-1]
+    loop.prefill(
+        f"chain_{sampling.tag}", lambda head: _draw(sampling.probs(head), gen), logits=True
+    )
+    while loop.going:
+        bonus, start = loop.bonus, loop.start
         if draft_fn is None:  # the drafter's own rule and its proposal q
-            draft, q = ds.draft(start, bonus, sampling, gen)
+            draft, q = loop.ds.draft(start, bonus, sampling, gen)
             draft, q = draft.to(dev), q.to(dev)
-        elif isinstance(drafted := draft_fn(ds, start, bonus), tuple):
+        elif isinstance(drafted := draft_fn(loop.ds, start, bonus), tuple):
             q, draft = sampling.probs(drafted[0].to(dev)), drafted[1].to(dev)
         else:
             q = sampling.probs(drafted.to(dev))  # [D, V]
@@ -142,22 +132,12 @@ def sample_chain(
         block = torch.cat([torch.tensor([bonus], device=dev), draft])[None]
         snap = rollback.before_verify(cache)
         logits, aux = run(block, arange_row(start, B, dev), cache, logits=True)
-        res.verify_tokens += B
+        loop.res.verify_tokens += B
         acc, nxt = rejection_sample_block(sampling.probs(logits[0]), q, draft, gen)
-        cap = max_new_tokens - len(out)
-        if acc > cap:  # the last round: accepted drafts past the budget are not needed
-            acc, nxt = cap, int(draft[cap])
-        new = draft[:acc].tolist() + [nxt]
+        if acc > loop.cap:  # the last round: accepted drafts past the budget are not needed
+            acc, nxt = loop.cap, int(draft[loop.cap])
         keep = acc + 1  # bonus + accepted drafts
-        res.verify_tokens += roll_back(rollback, run, cache, snap, block, start, keep)
-        ds.append(aux[0, :keep])
-        res.accepted.append(acc)
-        res.drafts.append(draft.tolist())
-        out.extend(new)
-        start += keep
-        if eos_token_id is not None and eos_token_id in new:
-            break
-    sync(dev)
-    res.tokens = finish(out, max_new_tokens, eos_token_id)
-    res.wall_s = time.perf_counter() - t0
-    return res
+        loop.res.verify_tokens += roll_back(rollback, run, cache, snap, block, start, keep)
+        loop.res.drafts.append(draft.tolist())
+        loop.commit(draft[:acc].tolist() + [nxt], aux[0, :keep])
+    return loop.result()

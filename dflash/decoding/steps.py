@@ -7,12 +7,13 @@ Legend: P prompt length, B block size, D = B-1 drafted positions, V vocab.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..drafter.blocks import block_attention_mask, mask_rules
-from ..target.cache import cache_kw
+from ..target.cache import cache_kw, new_cache
 from ..target.shape import embed_table, head_bias
 from .ddtree import TreeRows, build_cond_tree, build_ddtree
 
@@ -109,6 +110,70 @@ def arange_row(start: int, n: int, device) -> torch.Tensor:
 def sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class SpecLoop:
+    """One speculative decode's bookkeeping, the same for the chain, sampled-chain and tree
+    decoders: the timer, the target cache, the prefill, the tokens out so far (`out`), the
+    drafter's growing context (`ds`) and the next block's anchor position (`start`: the last token
+    out, the bonus). Each verify round hands its new tokens (accepted drafts + the target's next)
+    and their aux rows to `commit`; `result` closes the decode."""
+
+    def __init__(self, target, drafter, prompt_ids, max_new_tokens: int, eos_token_id):
+        self.target, self.drafter, self.dev = target, drafter, target.device
+        self.max_new_tokens, self.eos_token_id = max_new_tokens, eos_token_id
+        self.run = TargetRunner(target)
+        self.ids = as_prompt(target, prompt_ids)
+        self.start = self.ids.shape[1]
+        sync(self.dev)
+        self.t0 = time.perf_counter()
+        self.cache = new_cache(target.model)
+        self.ended = False
+
+    def prefill(self, mode: str, first, logits: bool = False) -> None:
+        """The prompt's forward; first(last position's greedy token or logits) -> the first token
+        out. Starts `res` (DecodeResult `mode`) with the prefill time."""
+        P = self.start
+        head, aux = self.run(
+            self.ids, arange_row(0, P, self.dev), self.cache, last_only=True, logits=logits
+        )
+        self.out = [first(head[0, -1])]
+        self.ds = DrafterState(self.target, self.drafter)
+        self.ds.append(aux[0])
+        sync(self.dev)
+        self.res = DecodeResult(mode, [], prefill_s=time.perf_counter() - self.t0)
+
+    @property
+    def going(self) -> bool:
+        return (
+            not self.ended
+            and len(self.out) < self.max_new_tokens
+            and self.out[-1] != self.eos_token_id
+        )
+
+    @property
+    def bonus(self) -> int:
+        return self.out[-1]
+
+    @property
+    def cap(self) -> int:
+        """How many more tokens the decode may emit."""
+        return self.max_new_tokens - len(self.out)
+
+    def commit(self, new: list, aux_rows: torch.Tensor) -> None:
+        """A round's new tokens (its accepted drafts, then the target's next token) and the aux
+        rows of the committed block (bonus + accepted drafts) as the drafter's context."""
+        self.ds.append(aux_rows)
+        self.res.accepted.append(len(new) - 1)
+        self.out.extend(new)
+        self.start += len(new)
+        self.ended = self.eos_token_id is not None and self.eos_token_id in new
+
+    def result(self) -> DecodeResult:
+        sync(self.dev)
+        self.res.tokens = finish(self.out, self.max_new_tokens, self.eos_token_id)
+        self.res.wall_s = time.perf_counter() - self.t0
+        return self.res
 
 
 class DrafterState:

@@ -7,14 +7,13 @@ Legend: B block size, D = B-1 drafted positions, b tree budget, V vocab.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
-from ..target.cache import expand_cache, gather_attention, is_hybrid_cache, new_cache
+from ..target.cache import expand_cache, gather_attention, is_hybrid_cache
 from .ddtree import build_ddtree
-from .steps import DecodeResult, DrafterState, TargetRunner, arange_row, as_prompt, finish, sync
+from .steps import DecodeResult, SpecLoop, arange_row
 
 
 def tree_verify_mask(tree, start: int, dtype, device) -> torch.Tensor:
@@ -96,13 +95,8 @@ def generate_tree(
     DFlash2's over the selector's rows); draft_fn(drafter_state, start, bonus) -> logits [D, V]
     overrides it with DDTree over softmax(logits) (tests).
     """
-    model, dev = target.model, target.device
-    run = TargetRunner(target)
-    ids = as_prompt(target, prompt_ids)
-    P = ids.shape[1]
-    sync(dev)
-    t0 = time.perf_counter()
-    cache = new_cache(model)
+    loop = SpecLoop(target, drafter, prompt_ids, max_new_tokens, eos_token_id)
+    model, run, cache, dev = target.model, loop.run, loop.cache, loop.dev
     hybrid = is_hybrid_cache(cache)
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if not hybrid and impl not in MASK_HONOURING:
@@ -111,24 +105,16 @@ def generate_tree(
             f"attn_implementation={impl!r} does not apply (the verify would be silently wrong); "
             f"load the target with one of {list(MASK_HONOURING)} (target.attn_implementation)"
         )
-    greedy, aux = run(ids, arange_row(0, P, dev), cache, last_only=True)
-    out = [int(greedy[0, -1])]
-    ds = DrafterState(target, drafter)
-    ds.append(aux[0])
-    sync(dev)
-    res = DecodeResult(f"tree@{budget}", [], prefill_s=time.perf_counter() - t0)
-    start = P
-    while len(out) < max_new_tokens and out[-1] != eos_token_id:
-        bonus = out[-1]
+    loop.prefill(f"tree@{budget}", int)
+    while loop.going:
+        bonus, start, cap = loop.bonus, loop.start, loop.cap
         if draft_fn is None:  # the drafter's own tree (DFlash2: over the selector's rows)
-            tree = ds.draft_tree(start, bonus, budget)
+            tree = loop.ds.draft_tree(start, bonus, budget)
         else:
-            tree = build_ddtree(torch.log_softmax(draft_fn(ds, start, bonus), -1), budget)
-        b = tree.num_nodes
-        cap = max_new_tokens - len(out)
+            tree = build_ddtree(torch.log_softmax(draft_fn(loop.ds, start, bonus), -1), budget)
         if not hybrid:
             greedy, aux = tree_forward(run, cache, tree, bonus, start)
-            res.verify_tokens += 1 + b
+            loop.res.verify_tokens += 1 + tree.num_nodes
             am = greedy[0].tolist()
             path, nxt = walk_tree(tree, am[1:], am[0], cap)
             rows = [0] + [1 + i for i in path]
@@ -139,24 +125,14 @@ def generate_tree(
             new_aux = aux[0, rows]
         else:
             path, nxt, n_tok = verify_tree_as_paths(run, model, cache, tree, bonus, start, cap, dev)
-            res.verify_tokens += n_tok
+            loop.res.verify_tokens += n_tok
             acc_ids = torch.tensor([[bonus] + tree.tokens[path].tolist()], device=dev)
             _, aux = run(acc_ids, arange_row(start, acc_ids.shape[1], dev), cache, last_only=True)
-            res.verify_tokens += acc_ids.shape[1]
+            loop.res.verify_tokens += acc_ids.shape[1]
             new_aux = aux[0]
-        acc = len(path)
-        ds.append(new_aux)
-        res.accepted.append(acc)
-        res.tree_sizes.append(b)
-        new = tree.tokens[path].tolist() + [int(nxt)]
-        out.extend(new)
-        start += acc + 1
-        if eos_token_id is not None and eos_token_id in new:
-            break
-    sync(dev)
-    res.tokens = finish(out, max_new_tokens, eos_token_id)
-    res.wall_s = time.perf_counter() - t0
-    return res
+        loop.res.tree_sizes.append(tree.num_nodes)
+        loop.commit(tree.tokens[path].tolist() + [int(nxt)], new_aux)
+    return loop.result()
 
 
 def verify_tree_as_paths(run, model, cache, tree, bonus: int, start: int, cap: int, dev):
