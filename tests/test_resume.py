@@ -432,3 +432,22 @@ def test_leftovers_of_killed_starts_are_cleaned_on_the_next_start(tmp_path, caps
         assert not (run / top).exists(), rel
     assert not (run / "metrics.jsonl").exists() and "metrics.jsonl (of an earlier start" in out
     assert (run / "data/train-0123.pt.partial/shard_000000.npz").exists()  # resumable: kept
+
+
+def test_resume_with_the_target_weights_elsewhere_says_to_link_them_at_the_old_path():
+    """A run moved to a machine where the target's weights lie elsewhere: target.path keys the
+    data cache, so the change is refused, naming the link that resumes it."""
+    import dataclasses
+
+    from dflash.config import RunConfig
+    from dflash.run.plan import check_same_run
+
+    cfg = RunConfig()
+    cfg.target.path = "/new/qwen"
+    saved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    saved["target"]["path"] = "/old/qwen"
+    with pytest.raises(ValueError) as e:
+        check_same_run(cfg, saved, "ck")
+    msg = str(e.value)
+    assert "target.path changed ('/old/qwen' -> '/new/qwen')" in msg
+    assert "ln -s /new/qwen /old/qwen" in msg and "resume without target.path" in msg

@@ -211,6 +211,12 @@ def check_same_run(
             if key not in SCHEDULE_KEYS and run_dir and os.path.isfile(own):
                 with open(own) as f:
                     how += f"; this run resumes with: {f.read().strip()}"
+            if key == "target.path" and old[key] and now[key]:  # the weights moved, most often
+                how = (
+                    f"if the same weights now lie at {now[key]}, link them at the old path "
+                    f"(ln -s {now[key]} {old[key]}) and resume without target.path (the path "
+                    "keys the run's data cache); else " + how
+                )
             what = "schedule" if key in SCHEDULE_KEYS else "data or model"
             raise ValueError(
                 f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "
