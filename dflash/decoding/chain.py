@@ -23,10 +23,18 @@ from .steps import DecodeResult, SpecLoop, arange_row, as_prompt, leading_matche
 
 @torch.no_grad()
 def generate_ar(
-    target, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None
+    target,
+    prompt_ids,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    *,
+    pick: Callable | None = None,
+    mode: str = "ar",
 ) -> DecodeResult:
-    """Plain greedy decoding on the HF cache, one token per forward."""
+    """Plain greedy decoding on the HF cache, one token per forward. pick(logits [V]) -> the
+    next token instead of the argmax (`sample_ar`: a draw from the warped distribution)."""
     model, dev = target.model, target.device
+    pick = pick if pick is not None else (lambda logits_V: int(logits_V.argmax()))
     ids = as_prompt(target, prompt_ids)
     P = ids.shape[1]
     sync(dev)
@@ -40,7 +48,7 @@ def generate_ar(
         logits_to_keep=1,
         **{kw: cache},
     ).logits
-    tok = int(logits[0, -1].argmax())
+    tok = pick(logits[0, -1])
     sync(dev)
     t_pre = time.perf_counter() - t0
     out = [tok]
@@ -52,10 +60,10 @@ def generate_ar(
             use_cache=True,
             **{kw: cache},
         ).logits
-        tok = int(logits[0, -1].argmax())
+        tok = pick(logits[0, -1])
         out.append(tok)
     sync(dev)
-    res = DecodeResult("ar", out[:max_new_tokens], wall_s=time.perf_counter() - t0, prefill_s=t_pre)
+    res = DecodeResult(mode, out[:max_new_tokens], wall_s=time.perf_counter() - t0, prefill_s=t_pre)
     res.verify_tokens = max(0, len(res.tokens) - 1)
     return res
 

@@ -20,16 +20,14 @@ Legend: P prompt length, B block size, D = B-1 drafted positions, V vocab.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..target.cache import cache_kw, new_cache
-from .chain import ExactRollback, roll_back
+from .chain import ExactRollback, generate_ar, roll_back
 from .rejection import rejection_sample_block, warp
-from .steps import DecodeResult, SpecLoop, arange_row, as_prompt, sync
+from .steps import DecodeResult, SpecLoop, arange_row
 
 
 @dataclass(frozen=True)
@@ -59,38 +57,15 @@ def sample_ar(
     target, prompt_ids, max_new_tokens: int, sampling: Sampling, eos_token_id: int | None = None
 ) -> DecodeResult:
     """Plain sampling from the target on the HF cache, one token per forward."""
-    model, dev = target.model, target.device
-    gen = sampling.generator(dev)
-    ids = as_prompt(target, prompt_ids)
-    P = ids.shape[1]
-    sync(dev)
-    t0 = time.perf_counter()
-    cache, kw = new_cache(model), cache_kw(model)
-    logits = model(
-        input_ids=ids,
-        position_ids=arange_row(0, P, dev),
-        use_cache=True,
-        logits_to_keep=1,
-        **{kw: cache},
-    ).logits
-    tok = _draw(sampling.probs(logits[0, -1]), gen)
-    sync(dev)
-    t_pre = time.perf_counter() - t0
-    out = [tok]
-    while len(out) < max_new_tokens and tok != eos_token_id:
-        logits = model(
-            input_ids=torch.tensor([[tok]], device=dev),
-            position_ids=arange_row(P + len(out) - 1, 1, dev),
-            use_cache=True,
-            **{kw: cache},
-        ).logits
-        tok = _draw(sampling.probs(logits[0, -1]), gen)
-        out.append(tok)
-    sync(dev)
-    res = DecodeResult(f"ar_{sampling.tag}", out[:max_new_tokens], wall_s=time.perf_counter() - t0)
-    res.prefill_s = t_pre
-    res.verify_tokens = max(0, len(res.tokens) - 1)
-    return res
+    gen = sampling.generator(target.device)
+    return generate_ar(
+        target,
+        prompt_ids,
+        max_new_tokens,
+        eos_token_id,
+        pick=lambda logits_V: _draw(sampling.probs(logits_V), gen),
+        mode=f"ar_{sampling.tag}",
+    )
 
 
 @torch.no_grad()
