@@ -128,7 +128,6 @@ class SpecLoop:
         sync(self.dev)
         self.t0 = time.perf_counter()
         self.cache = new_cache(target.model)
-        self.ended = False
 
     def prefill(self, mode: str, first, logits: bool = False) -> None:
         """The prompt's forward; first(last position's greedy token or logits) -> the first token
@@ -138,6 +137,7 @@ class SpecLoop:
             self.ids, arange_row(0, P, self.dev), self.cache, last_only=True, logits=logits
         )
         self.out = [first(head[0, -1])]
+        self.ended = self.out[0] == self.eos_token_id  # an end of generation emitted
         self.ds = DrafterState(self.target, self.drafter)
         self.ds.append(aux[0])
         sync(self.dev)
@@ -145,11 +145,7 @@ class SpecLoop:
 
     @property
     def going(self) -> bool:
-        return (
-            not self.ended
-            and len(self.out) < self.max_new_tokens
-            and self.out[-1] != self.eos_token_id
-        )
+        return not self.ended and len(self.out) < self.max_new_tokens
 
     @property
     def bonus(self) -> int:
