@@ -35,25 +35,29 @@ echo "ckpt $ck" >> /tmp/res/status
 # not read (same format and domain as the training prompts: beside HumanEval's tau it separates
 # over-fitting from the stdlib -> HumanEval shift). Without either, the run's own eval sets.
 # EVALX: more eval.py overrides, e.g. EVALX="eval.tree_rules=[t0.7,coverage]" (an A/B of trees).
-sets="" extra=""
-if [ -f /tmp/a/sharegpt/sharegpt.jsonl ]; then
-  sets="$sets, {name: sharegpt, source: jsonl, paths: [/tmp/a/sharegpt/sharegpt.jsonl], \
+# EVAL=0: no eval.py (the run's last in-loop eval stands: a relay's last leg that must fit a lease)
+run_eval() {
+  local sets="" extra=""
+  if [ -f /tmp/a/sharegpt/sharegpt.jsonl ]; then
+    sets="$sets, {name: sharegpt, source: jsonl, paths: [/tmp/a/sharegpt/sharegpt.jsonl], \
 heldout: true, rows: last, turns: each, num_prompts: 48, real_decode_prompts: ${RDCHAT:-0}}"
-  extra="data.max_length=1024"
-fi
-if [ -n "${HELDOUT:-}" ]; then
-  sets="$sets, {name: stdlib_heldout, source: stdlib, heldout: true, num_prompts: $HELDOUT, \
+    extra="data.max_length=1024"
+  fi
+  if [ -n "${HELDOUT:-}" ]; then
+    sets="$sets, {name: stdlib_heldout, source: stdlib, heldout: true, num_prompts: $HELDOUT, \
 real_decode_prompts: 0}"
-fi
-if [ -n "$sets" ]; then
-  sets="eval.sets=[{name: humaneval, source: humaneval, num_prompts: 164}$sets]"
-  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "$sets" $extra $EVALX \
-    out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
-else
-  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} $EVALX out=/tmp/res/eval.json \
-    > /tmp/res/eval.out 2>&1
-fi
-echo "eval rc=$? $(date +%s)" >> /tmp/res/status
+  fi
+  if [ -n "$sets" ]; then
+    sets="eval.sets=[{name: humaneval, source: humaneval, num_prompts: 164}$sets]"
+    python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "$sets" $extra $EVALX \
+      out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
+  else
+    python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} $EVALX out=/tmp/res/eval.json \
+      > /tmp/res/eval.out 2>&1
+  fi
+  echo "eval rc=$? $(date +%s)" >> /tmp/res/status
+}
+if [ "${EVAL:-1}" = 0 ]; then echo "eval skipped (EVAL=0)" >> /tmp/res/status; else run_eval; fi
 if [ -n "${BENCH:-}" ]; then  # the loop bench on this run's own samples (same rows / anchors)
   # BENCH="--target qwen2_5_coder_0_5b --rows 16 --seq 768 --anchors 64" (the recipe's shape)
   python3 benchmarks/bench_loop.py $BENCH --samples "$(ls /tmp/runs/main/data/train-*.pt | head -1)" \
