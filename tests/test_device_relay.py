@@ -75,9 +75,12 @@ def packed(tmp_path):
 def test_a_packed_run_comes_back_byte_for_byte(tmp_path, packed):
     run, calls = packed
     st = tmp_path / "st"
+    st.mkdir()  # an earlier leg's chunks (one more than now) and a checkpoint cut for eval_ckpt.sh
+    for name in ("SHA256", "st_07", "ck_00"):
+        (st / name).write_text("earlier")
     # the fetched folders in any order; upload chunks of 250 kB (58 MB on the device)
     _sh("relay_collect.sh", {"ST": st, "CHUNK_BYTES": 250_000}, *map(str, calls[::-1]))
-    assert sorted(os.listdir(st)) == ["SHA256"] + [f"st_0{i}" for i in range(5)]
+    assert sorted(os.listdir(st)) == ["SHA256", "ck_00"] + [f"st_0{i}" for i in range(5)]
     r = _sh("unpack_state.sh", {"STATE": st, "RUNS": tmp_path / "next"})
     assert "step_00000007" in r.stdout
     left = ("run.lock", "profile/", "data/eval-def.safetensors")

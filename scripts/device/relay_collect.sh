@@ -18,6 +18,7 @@ for i in $(seq 0 $((n - 1))); do
 done
 cat "$tmp"/part_* > "$tmp/run.tar"
 (cd "$tmp" && sha256sum --quiet -c SHA256) || { echo "the parts do not match SHA256: one missing (every I fetched?) or damaged" >&2; exit 1; }
-rm -rf "$ST" && mkdir -p "$ST" && cp "$tmp/SHA256" "$ST/"
+# the last leg's chunks go; other uploads kept there (eval_ckpt.sh's ck_*) stay
+mkdir -p "$ST" && rm -f "$ST"/st_* "$ST/SHA256" && cp "$tmp/SHA256" "$ST/"
 split -b "$CHUNK_BYTES" -d -a 2 "$tmp/run.tar" "$ST/st_"
 echo "$n parts -> $(ls "$ST"/st_* | wc -l) upload chunks in $ST ($(cat "$ST"/st_* | wc -c) bytes)"
