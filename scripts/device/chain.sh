@@ -47,14 +47,11 @@ heldout: true, rows: last, turns: each, num_prompts: 48, real_decode_prompts: ${
     sets="$sets, {name: stdlib_heldout, source: stdlib, heldout: true, num_prompts: $HELDOUT, \
 real_decode_prompts: 0}"
   fi
-  if [ -n "$sets" ]; then
-    sets="eval.sets=[{name: humaneval, source: humaneval, num_prompts: 164}$sets]"
-    python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "$sets" $extra $EVALX \
-      out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
-  else
-    python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} $EVALX out=/tmp/res/eval.json \
-      > /tmp/res/eval.out 2>&1
-  fi
+  local args=()
+  [ -n "$sets" ] && args=("eval.sets=[{name: humaneval, source: humaneval, num_prompts: 164}$sets]")
+  # shellcheck disable=SC2086  # extra, EVALX: overrides, split into words
+  python3 eval.py ckpt=$ck eval.real_decode_prompts=${RD:-5} "${args[@]}" $extra $EVALX \
+    out=/tmp/res/eval.json > /tmp/res/eval.out 2>&1
   echo "eval rc=$? $(date +%s)" >> /tmp/res/status
 }
 if [ "${EVAL:-1}" = 0 ]; then echo "eval skipped (EVAL=0)" >> /tmp/res/status; else run_eval; fi
