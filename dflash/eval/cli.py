@@ -125,7 +125,7 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     for name, items in sets.items():
         n_real = per_set.get(name)
         n_real = rc.eval.real_decode_prompts if n_real is None else n_real
-        results[name] = _evaluate_set(rc, target, drafter, items, n_real)
+        results[name] = _evaluate_set(rc, target, drafter, items, n_real, name or "eval")
         if name:
             print(f"eval set {name}:")
         print_report(*results[name], rc.eval.budgets, rc.eval.show_rounds)
@@ -148,7 +148,9 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     return summary
 
 
-def _evaluate_set(rc: RunConfig, target, drafter, items, n_real: int) -> tuple[list, dict]:
+def _evaluate_set(
+    rc: RunConfig, target, drafter, items, n_real: int, desc: str
+) -> tuple[list, dict]:
     reports, summary = evaluate(
         drafter,
         Heads(target.embed_tokens, target.lm_head),
@@ -158,6 +160,7 @@ def _evaluate_set(rc: RunConfig, target, drafter, items, n_real: int) -> tuple[l
         top_p=rc.eval.top_p,
         top_k=rc.eval.top_k,
         tree_rules=rc.eval.tree_rules,
+        desc=desc,
     )
     if n_real:
         summary.update(decode_report(target, drafter, items, n_real, rc.eval, log=print))

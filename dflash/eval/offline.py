@@ -15,8 +15,10 @@ Legend: P prompt length, L completion length, T = P + L, D = B - 1 drafted posit
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config.eval import TreeRule
 from ..decoding.ddtree import TreeRows
@@ -194,8 +196,10 @@ def evaluate(
     top_p: float = 1.0,
     top_k: int = 0,
     tree_rules=(),
+    desc: str | None = None,
 ):
-    """Per-prompt reports and the summary (micro-averaged over rounds). ``tree_rules`` (names,
+    """Per-prompt reports and the summary (micro-averaged over rounds). ``desc``: a progress bar
+    over the prompts under that name (eval.py; DFLASH_NO_PROGRESS=1 turns it off). ``tree_rules`` (names,
     dflash.config.eval.TreeRule): DDTree walked again with each rule's trees, figures
     rule/<name>/tau@<b> beside the drafter's own tau@<b>. With temperatures, the
     summary also has, per temperature T, 1 + the expected accepted length per round of the
@@ -210,7 +214,14 @@ def evaluate(
     sampling = (temps, top_p, top_k) if temps else None
     expected = torch.zeros(len(temps), 2, dtype=torch.float64)  # [upper estimate, lower bound]
     rules = [TreeRule.parse(r) for r in tree_rules] if budgets else []
-    for n, it in enumerate(items):
+    bar = tqdm(
+        items,
+        desc=desc,
+        unit="prompt",
+        leave=False,
+        disable=desc is None or os.environ.get("DFLASH_NO_PROGRESS") == "1",
+    )
+    for n, it in enumerate(bar):
         by_rule: dict = {}
         draft, lp, ids, *alpha = draft_all_anchors(
             drafter,
