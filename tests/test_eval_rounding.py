@@ -26,8 +26,8 @@ def test_eval_py_shows_a_progress_bar_over_the_prompts_and_the_loop_does_not(
 ):
     """eval.py names its set on a bar over the prompts (a CPU eval runs for minutes between
     lines); the in-loop eval (no desc) and DFLASH_NO_PROGRESS=1 stay quiet."""
-    from dflash.eval.offline import evaluate
     from dflash.decoding import generate_ar
+    from dflash.eval.offline import evaluate
     from dflash.eval.sets import consistent_greedy
     from dflash.target.shape import Heads
 

@@ -220,6 +220,23 @@ def test_each_turn_of_a_conversation_is_an_eval_prompt(tmp_path, tiny_llama):
     assert tiny_llama.tokenizer.decode(items[2].prompt_ids).count("<|im_start|>user") == 3
 
 
+def test_a_turn_set_whose_first_turns_are_all_too_long_names_data_max_length(tmp_path, tiny_llama):
+    """Every conversation's first prompt past data.max_length: the error names the length and
+    the fix, not "every greedy completion is shorter than 2 tokens" (what it said before)."""
+    from dflash.eval.sets import build_named_set
+
+    f = tmp_path / "c.jsonl"
+    _rows(f, range(2), text=lambda i: "word " * 200)
+    es = EvalSetConfig(name="chat", source="jsonl", paths=[str(f)], turns="each")
+    rc = RunConfig(
+        target=TargetConfig(name="tiny_llama", chat_template=True),
+        data=DataConfig(source="selfgen", max_length=64),
+        eval=EvalConfig(num_prompts=2, completion_len=6, sets=[es]),
+    )
+    with pytest.raises(ValueError, match=r"none of the set's 2 conversations .*data.max_length=64"):
+        build_named_set(rc, es, tiny_llama, None)
+
+
 def test_a_mixed_multi_turn_run_reports_every_set_in_the_loop_and_in_eval_py(tmp_path):
     """train.py on the tiny Llama: ShareGPT-style conversations (every turn regenerated) mixed
     with the code corpus, two eval sets; per-set figures in the console, metrics.jsonl, the plot

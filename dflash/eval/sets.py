@@ -258,6 +258,12 @@ def _turn_items(cfg, target, convs, log) -> list[EvalItem]:
 
     t0 = time.perf_counter()
     tp = encode_turns(convs, target.tokenizer, cfg.target, "all", cfg.data.max_length)
+    if not tp:
+        raise ValueError(
+            f"eval: none of the set's {len(convs)} conversations has a first turn within "
+            f"data.max_length={cfg.data.max_length} tokens; raise data.max_length or the set's "
+            "num_prompts"
+        )
 
     def generate(prompts, k, _convs):
         return generate_greedy(
