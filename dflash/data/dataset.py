@@ -75,7 +75,7 @@ def generate_greedy(
         if time_limit_s is not None and now - t0 >= time_limit_s:
             if log:
                 log(
-                    f"{desc}: time limit of {time_limit_s / 60:g} min reached after {len(done)} "
+                    f"{desc}: time limit of {time_limit_s / 60:.2f} min reached after {len(done)} "
                     f"of {len(prompts)} prompts (data.regen_time_limit_min)"
                 )
             break
