@@ -120,12 +120,23 @@ def test_qwen2_5_coder_mask_token_is_fim_pad():
 
 
 @needs_smol
-def test_gguf_converts_once_to_a_plain_directory(tmp_path, capsys):
+def test_gguf_converts_once_to_a_plain_directory(tmp_path, capsys, monkeypatch):
     """The dequantized GGUF weights survive the conversion exactly, and a second call reuses it.
     The conversion (a minute or two inside a budgeted run's target load) says where it goes and
-    how long it took; the cached call says nothing."""
+    how long it took, and parses the file once (transformers alone parses it three times); the
+    cached call says nothing."""
+    import gguf
+
     from dflash.target.load import resolve_local_path
 
+    parses = []
+
+    class CountingReader(gguf.GGUFReader):
+        def __init__(self, path, *args, **kwargs):
+            parses.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountingReader)
     os.makedirs(tmp_path / "smollm2")
     os.symlink(SMOL_GGUF, tmp_path / "smollm2" / os.path.basename(SMOL_GGUF))
     cfg = target_config_from_yaml("smollm2_135m", path=str(tmp_path / "smollm2"))
@@ -133,6 +144,7 @@ def test_gguf_converts_once_to_a_plain_directory(tmp_path, capsys):
     said = capsys.readouterr().out
     assert f"target: converting {tmp_path}/smollm2/{os.path.basename(SMOL_GGUF)}" in said
     assert f"cached at {path}" in said and "target: converted in " in said
+    assert len(parses) == 1, parses
     assert sorted(os.listdir(tmp_path / "smollm2")) == sorted(
         [os.path.basename(SMOL_GGUF), os.path.basename(path)]
     )
@@ -151,6 +163,13 @@ def test_gguf_converts_once_to_a_plain_directory(tmp_path, capsys):
     assert converted.keys() == direct.keys()
     for n in direct:
         assert torch.equal(converted[n], direct[n]), n
+    from transformers import AutoTokenizer
+
+    text = "def área(r):\n    return 3.14 * r ** 2  # 🙂"
+    direct_tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(SMOL_GGUF), gguf_file=os.path.basename(SMOL_GGUF)
+    )
+    assert AutoTokenizer.from_pretrained(path).encode(text) == direct_tok.encode(text)
 
 
 @needs_smol
