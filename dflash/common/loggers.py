@@ -11,6 +11,11 @@ import uuid
 from ..config import LoggerConfig
 
 
+def progress_bars_off() -> bool:
+    """DFLASH_NO_PROGRESS=1 turns every tqdm bar off (CI, the device scripts, log files)."""
+    return os.environ.get("DFLASH_NO_PROGRESS") == "1"
+
+
 class Logger:
     def __init__(self, run_dir: str | None, rank0: bool = True):
         self.rank0 = rank0

@@ -15,6 +15,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from ..common.loggers import progress_bars_off
 from ..config import DataConfig, TargetConfig
 from .batch import Sample
 from .files import drop_held_reads
@@ -65,7 +66,7 @@ def generate_greedy(
         desc=desc,
         unit="seq",
         leave=False,
-        disable=os.environ.get("DFLASH_NO_PROGRESS") == "1",
+        disable=progress_bars_off(),
     )
     t0, new_tokens = time.perf_counter(), 0
     eta = _Eta(desc, len(prompts), len(done), t0, log)

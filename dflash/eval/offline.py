@@ -15,11 +15,11 @@ Legend: P prompt length, L completion length, T = P + L, D = B - 1 drafted posit
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from tqdm.auto import tqdm
 
+from ..common.loggers import progress_bars_off
 from ..config.eval import TreeRule
 from ..decoding.ddtree import TreeRows
 from ..decoding.rejection import expected_accepted, overlap
@@ -199,9 +199,9 @@ def evaluate(
     desc: str | None = None,
 ):
     """Per-prompt reports and the summary (micro-averaged over rounds). ``desc``: a progress bar
-    over the prompts under that name (eval.py; DFLASH_NO_PROGRESS=1 turns it off). ``tree_rules`` (names,
-    dflash.config.eval.TreeRule): DDTree walked again with each rule's trees, figures
-    rule/<name>/tau@<b> beside the drafter's own tau@<b>. With temperatures, the
+    over the prompts under that name (eval.py; DFLASH_NO_PROGRESS=1 turns it off).
+    ``tree_rules`` (names, dflash.config.eval.TreeRule): DDTree walked again with each rule's
+    trees, figures rule/<name>/tau@<b> beside the drafter's own tau@<b>. With temperatures, the
     summary also has, per temperature T, 1 + the expected accepted length per round of the
     greedy walk: tau_t{T}, an upper estimate (the target's distributions kept on the greedy path
     after a non-greedy draft token is accepted), and tau_t{T}_lower, a lower bound (only
@@ -219,7 +219,7 @@ def evaluate(
         desc=desc,
         unit="prompt",
         leave=False,
-        disable=desc is None or os.environ.get("DFLASH_NO_PROGRESS") == "1",
+        disable=desc is None or progress_bars_off(),
     )
     for n, it in enumerate(bar):
         by_rule: dict = {}

@@ -11,7 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..common.interrupt import Interrupted, StopRequest, agree_max
-from ..common.loggers import Logger, eval_key
+from ..common.loggers import Logger, eval_key, progress_bars_off
 from ..common.profiling import StepProfiler
 from ..config import RunConfig
 from ..data.batch import TargetBatch, agreement_warning
@@ -82,7 +82,7 @@ def train_loop(
         desc="train",
         unit="step",
         dynamic_ncols=True,
-        disable=os.environ.get("DFLASH_NO_PROGRESS") == "1" or not writer,
+        disable=progress_bars_off() or not writer,
     )
     stop = StopRequest()
     interrupted = None
