@@ -100,3 +100,22 @@ def test_tau_at_minutes_and_the_curve_plot_follow_the_budget_clock(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-1000:]
     assert "tau @20 min" in r.stdout and png.stat().st_size > 10_000
+
+
+def test_folders_that_are_no_runs_are_named_not_dropped_unseen(tmp_path, capsys):
+    """A folder without run_config.json (a device call's res/ with metrics.jsonl alone) and a
+    pattern that matches nothing are said on stderr; the runs that are there still compare."""
+    import pytest
+
+    from dflash.tools.compare import run_dirs
+
+    good = _run(tmp_path / "good", 2, 2.5)
+    bare = tmp_path / "res"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/tau": 1.0}) + "\n")
+    assert run_dirs([good, str(bare), str(tmp_path / "nope")]) == [good]
+    err = capsys.readouterr().err
+    assert f"skipped {bare}: no run_config.json" in err
+    assert f"skipped {tmp_path / 'nope'}: no such directory" in err
+    with pytest.raises(SystemExit, match="no run directories"):
+        run_dirs([str(bare)])

@@ -567,6 +567,91 @@ def test_eval_set_cache_is_shared_across_data_cache_dirs(tmp_path, tiny_llama):
         assert os.stat(tmp_path / f).st_mode & 0o044 == 0o044  # readable by group and others
 
 
+_EXECUTION_ONLY = dict(
+    compile_layers=True, compile_gdn="mlp", capture_graphs=False, packed_capture=False,
+    check_memory=False,
+)  # fmt: skip
+
+
+def test_the_targets_execution_settings_key_neither_cache(tmp_path, tiny_llama):
+    """How the target runs the training capture (compiled layers, CUDA graphs, packing, the
+    memory check) changes neither the regenerated data nor the eval sets (built eagerly, one row
+    at a time): switching one reuses both caches; a setting that changes the forward does not."""
+    from dflash.config import EvalConfig, RunConfig
+    from dflash.config.model import TARGET_EXECUTION_ONLY
+    from dflash.eval.sets import build_eval_set
+
+    assert set(_EXECUTION_ONLY) == set(TARGET_EXECUTION_ONLY)
+    dc = DataConfig(source="selfgen", num_samples=4, prompt_len=4)
+    tc = TargetConfig(name="tiny_llama")
+    path = dataset_path(dc, tc, str(tmp_path))
+    assert dataset_path(dc, replace(tc, **_EXECUTION_ONLY), str(tmp_path)) == path
+    assert dataset_path(dc, replace(tc, dtype="bfloat16"), str(tmp_path)) != path
+
+    def cfg(**target):
+        return RunConfig(
+            target=replace(RunConfig().target, **target),
+            data=dc,
+            eval=EvalConfig(num_prompts=2, completion_len=6, batch_size=2),
+        )
+
+    build_eval_set(cfg(), tiny_llama, str(tmp_path / "ev"), log=lambda *_: None)
+    files = sorted(os.listdir(tmp_path / "ev"))
+    logs = []
+    build_eval_set(cfg(**_EXECUTION_ONLY), tiny_llama, str(tmp_path / "ev"), log=logs.append)
+    assert any("from cache" in m for m in logs) and sorted(os.listdir(tmp_path / "ev")) == files
+
+
+def test_caches_named_before_the_execution_settings_left_their_key_are_still_read(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """A data cache, a regeneration's partial files and an eval set written under their names of
+    before 2026-12-07 (the execution-only target settings in the key) are read, not rebuilt: a
+    resumed run keeps its data and its eval text."""
+    import dflash.data.dataset as dataset
+    import dflash.eval.sets as sets
+    from dflash.config import EvalConfig, RunConfig
+
+    dc = DataConfig(source="selfgen", num_samples=4, prompt_len=4, response_len=4, max_length=16)
+    tc = TargetConfig(name="tiny_llama", compile_layers=True)
+    a = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=lambda *_: None)
+    new = dataset_path(dc, tc, str(tmp_path))
+    old = str(tmp_path / f"train-{dataset.data_fingerprint(dc, tc, legacy=True)}.pt")
+    assert old != new
+    os.rename(new, old)
+
+    def no_regeneration(*_a, **_k):
+        raise AssertionError("the data was regenerated")
+
+    monkeypatch.setattr(dataset, "regenerate_dataset", no_regeneration)
+    logs = []
+    b = load_or_build_dataset(dc, tc, tiny_llama, str(tmp_path), log=logs.append)
+    assert any(f"earlier name {old}" in m for m in logs), logs
+    assert [x.input_ids.tolist() for x in a] == [x.input_ids.tolist() for x in b]
+    os.remove(old)
+    os.makedirs(old + ".partial")  # a regeneration stopped half-way goes on under its name
+    assert dataset_path(dc, tc, str(tmp_path)) == old
+
+    rc = RunConfig(
+        target=replace(RunConfig().target, compile_layers=True),
+        data=dc,
+        eval=EvalConfig(num_prompts=2, completion_len=6, batch_size=2),
+    )
+    with monkeypatch.context() as m:  # the set written as before: every target setting keyed
+        m.setattr(sets, "TARGET_EXECUTION_ONLY", ())
+        items = sets.build_eval_set(rc, tiny_llama, str(tmp_path / "ev"), log=lambda *_: None)
+    (legacy, _) = sorted(os.listdir(tmp_path / "ev"))
+
+    def no_generation(*_a, **_k):
+        raise AssertionError("the eval set was generated again")
+
+    monkeypatch.setattr(sets, "generate_greedy", no_generation)
+    logs.clear()
+    again = sets.build_eval_set(rc, tiny_llama, str(tmp_path / "ev"), log=logs.append)
+    assert any(f"from cache {tmp_path / 'ev' / legacy}" in m for m in logs), logs
+    assert [torch.equal(x.aux_TF, y.aux_TF) for x, y in zip(items, again)] == [True, True]
+
+
 def test_an_eval_set_without_its_cache_is_rebuilt_from_its_tokens_file(
     tmp_path, tiny_llama, monkeypatch
 ):

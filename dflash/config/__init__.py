@@ -8,7 +8,14 @@ from .data import (  # data: prompts, regeneration
     MixSourceConfig,
 )
 from .eval import EvalConfig, EvalSetConfig  # eval: the in-loop and eval.py evaluation
-from .model import DTYPES, LAYER_TYPES, LINEAR_ATTN_BACKENDS, DrafterConfig, TargetConfig
+from .model import (  # target, drafter
+    DTYPES,
+    LAYER_TYPES,
+    LINEAR_ATTN_BACKENDS,
+    TARGET_EXECUTION_ONLY,
+    DrafterConfig,
+    TargetConfig,
+)
 from .run import (  # the root schema, its Hydra registration and the one conversion
     BACKENDS,
     SCHEMA_NAME,

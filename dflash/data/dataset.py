@@ -7,6 +7,7 @@ target's own outputs, so the sequence's tokens and the target's greedy labels ag
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..common.loggers import progress_bars_off
-from ..config import DataConfig, TargetConfig
+from ..config import TARGET_EXECUTION_ONLY, DataConfig, TargetConfig
 from .batch import Sample
 from .files import drop_held_reads
 from .shards import ResponseShards, atomic_torch_save, pack_samples, unpack_samples
@@ -221,10 +222,16 @@ _ROW_KEYS = ("format", "turns", "mix", "hf_split", "max_turns", "answers")
 _KEYED_WHEN_SET = {"max_turns": None, "answers": "regenerate"}
 
 
-def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> str:
+def data_fingerprint(
+    dcfg: DataConfig, tcfg: TargetConfig, extra: str = "", legacy: bool = False
+) -> str:
+    """The data cache's name: every setting that changes the regenerated samples. legacy: the
+    name before 2026-12-07, when the target's execution-only settings keyed it too (a cache of
+    that name is still read: `dataset_path`)."""
     skip = _NOT_IN_FINGERPRINT + (
         _ROW_KEYS if dcfg.source in ("selfgen", "stdlib", "humaneval") else ()
     )
+    not_target = ("device",) + (() if legacy else TARGET_EXECUTION_ONLY)
     key = json.dumps(
         {
             "data": {
@@ -232,7 +239,7 @@ def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> s
                 for k, v in vars(dcfg).items()
                 if k not in skip and not (k in _KEYED_WHEN_SET and v == _KEYED_WHEN_SET[k])
             },
-            "target": {k: v for k, v in vars(tcfg).items() if k not in ("device",)},
+            "target": {k: v for k, v in vars(tcfg).items() if k not in not_target},
             "extra": extra,
         },
         sort_keys=True,
@@ -241,8 +248,22 @@ def data_fingerprint(dcfg: DataConfig, tcfg: TargetConfig, extra: str = "") -> s
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def dataset_path(dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str) -> str:
-    return os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg)}.pt")
+def dataset_path(dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str, log=None) -> str:
+    """The data cache of these settings in cache_dir. A cache (or a regeneration's partial files)
+    under its name before 2026-12-07 (`data_fingerprint(legacy=True)`) is used where there is
+    none under the current name: a resumed run keeps its data."""
+    path = os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg)}.pt")
+    old = os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg, legacy=True)}.pt")
+    if not _begun(path) and _begun(old):
+        if log:
+            log(f"data: the cache under its earlier name {old} (same settings)")
+        return old
+    return path
+
+
+def _begun(path: str) -> bool:
+    """A data cache written or being written (a regeneration's .partial files) at path."""
+    return os.path.exists(path) or bool(glob.glob(glob.escape(path) + ".*partial"))
 
 
 def load_or_build_dataset(
@@ -252,7 +273,7 @@ def load_or_build_dataset(
     from .corpora import check_training_sources
 
     check_training_sources(dcfg)
-    path = dataset_path(dcfg, tcfg, cache_dir)
+    path = dataset_path(dcfg, tcfg, cache_dir, log)
     try:
         if os.path.exists(path):
             samples = load_samples(path)

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..common.storage import usual_mode, writing
+from ..config import TARGET_EXECUTION_ONLY
 from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
@@ -213,22 +214,18 @@ def build_named_set(cfg, es, target, cache_dir, log=print, read_dirs=()) -> list
 
 
 def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log) -> list[EvalItem]:
-    # where the data cache lives, how training batches are packed and the static decoder's
-    # options change nothing of an eval set
-    data = {k: v for k, v in vars(cfg.data).items() if k not in DATA_NOT_IN_KEY}
-    key = {**key, "data": data, "target": vars(cfg.target), "layers": target.layer_ids}
-    text = json.dumps(key, sort_keys=True, default=str)
-    name = f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.safetensors"
+    names = _set_names(cfg, target, key, stem)
     dirs = [d for d in (cache_dir, *read_dirs) if d]
-    tokens = tokens_path(name)
     for d in dirs:
-        if os.path.exists(os.path.join(d, name)):
-            items = load_eval_set(os.path.join(d, name))
-            log(f"eval: {len(items)} prompts from cache {os.path.join(d, name)}")
-            if d == cache_dir and not os.path.exists(os.path.join(d, tokens)):  # an older cache
-                _save(_token_tensors(items), os.path.join(d, tokens))
-            return items
-    found = next((p for d in dirs if os.path.exists(p := os.path.join(d, tokens))), None)
+        for name in names:
+            if os.path.exists(path := os.path.join(d, name)):
+                items = load_eval_set(path)
+                log(f"eval: {len(items)} prompts from cache {path}")
+                if d == cache_dir and not os.path.exists(tokens_path(path)):  # an older cache
+                    _save(_token_tensors(items), tokens_path(path))
+                return items
+    tokens = (os.path.join(d, tokens_path(n)) for d in dirs for n in names)
+    found = next((p for p in tokens if os.path.exists(p)), None)
     if found:  # the same prompts and completions; the states recomputed on this machine
         t0 = time.perf_counter()
         log(f"eval: no cache; the target's states along the prompts and completions of {found}")
@@ -237,8 +234,26 @@ def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log)
         items = build()
     if cache_dir:
         os.makedirs(cache_dir, exist_ok=True)
-        save_eval_set(items, os.path.join(cache_dir, name))
+        save_eval_set(items, os.path.join(cache_dir, names[0]))
     return items
+
+
+def _set_names(cfg, target, key: dict, stem: str) -> tuple[str, str]:
+    """The eval set's cache name, and its name before 2026-12-07 (still read), when the target's
+    execution-only settings (TARGET_EXECUTION_ONLY: the sets are built eagerly, one row at a
+    time) keyed it too. Where the data cache lives, how training batches are packed and the
+    static decoder's options change nothing of an eval set either."""
+    data = {k: v for k, v in vars(cfg.data).items() if k not in DATA_NOT_IN_KEY}
+    names = []
+    for skip in (TARGET_EXECUTION_ONLY, ()):
+        tgt = {k: v for k, v in vars(cfg.target).items() if k not in skip}
+        text = json.dumps(
+            {**key, "data": data, "target": tgt, "layers": target.layer_ids},
+            sort_keys=True,
+            default=str,
+        )
+        names.append(f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.safetensors")
+    return names[0], names[1]
 
 
 def _greedy_items(cfg, target, prompts, log) -> list[EvalItem]:

@@ -15,6 +15,7 @@ import glob
 import json
 import os
 import statistics
+import sys
 
 from ..common.layout import read_run_config
 from ..common.loggers import eval_key
@@ -126,6 +127,29 @@ def _f(x, digits: int) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
+def run_dirs(patterns: list[str]) -> list[str]:
+    """The run directories the patterns name; each one left out is said on stderr (a folder
+    without run_config.json, such as a device call's res/ with metrics.jsonl alone, or a
+    pattern that matches nothing), so no run drops out of a table unseen."""
+    dirs = []
+    for pat in patterns:
+        found = [d for d in sorted(glob.glob(pat)) if os.path.isdir(d)]
+        if not found:
+            print(f"skipped {pat}: no such directory", file=sys.stderr)
+        for d in found:
+            if os.path.isfile(os.path.join(d, "run_config.json")):
+                dirs.append(d)
+            else:
+                print(
+                    f"skipped {d}: no run_config.json (a run directory has one; for a folder with"
+                    " metrics.jsonl alone, copy its run's run_config.json next to it)",
+                    file=sys.stderr,
+                )
+    if not dirs:
+        raise SystemExit(f"error: no run directories (with run_config.json) in {patterns}")
+    return dirs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("runs", nargs="+", help="run directories (globs allowed)")
@@ -135,10 +159,7 @@ def main() -> None:
     )
     ap.add_argument("--plot", default=None, help="PNG: every run's eval tau against minutes")
     a = ap.parse_args()
-    dirs = [d for pat in a.runs for d in sorted(glob.glob(pat)) if os.path.isdir(d)]
-    dirs = [d for d in dirs if os.path.isfile(os.path.join(d, "run_config.json"))]
-    if not dirs:
-        raise SystemExit(f"error: no run directories (with run_config.json) in {a.runs}")
+    dirs = run_dirs(a.runs)
     at = [float(m) for m in a.at.split(",") if m.strip()]
     runs = load_runs(dirs)
     text = table(dirs, at, runs)
