@@ -90,6 +90,12 @@ class EvalConfig:
     # drafter's own (eval/rule/<name>/tau@<b>); names as TreeRule (above) parses
     # them: t<T> (the tree's scores at temperature T), coverage (DFlash2), e.g. [t0.7, coverage]
     tree_rules: list[str] = field(default_factory=list)
+    # bf16 near-ties: a greedy completion is kept up to the first token where a one-shot forward
+    # of the target parts from the batched decode. N > 0: a cut completion goes on from the
+    # one-shot token, the rest generated again and checked again, up to N times (whole
+    # completions, not mostly their early tokens; docs/evaluation.md#bf16-near-ties). 0: cut
+    # there (every figure before 2026-12-07). Names the eval sets' cache when > 0.
+    near_tie_rounds: int = 0
     # Named eval sets, each evaluated and reported on its own (eval/<name>/tau ...), e.g.
     # [{name: humaneval, source: humaneval}, {name: chat, source: jsonl, paths: [...], heldout: true}].
     # Empty: one set from eval.source / eval.paths (eval/tau ...)
@@ -103,6 +109,8 @@ class EvalConfig:
         self._validate_sets()
         off = {"num_prompts": " (eval.enabled=false turns the eval off)"}
         check_at_least_one("eval", self, "num_prompts completion_len batch_size", off)
+        if self.near_tie_rounds < 0:
+            raise ValueError(f"eval.near_tie_rounds must be >= 0, got {self.near_tie_rounds}")
         if self.real_decode_prompts < 0:
             raise ValueError(
                 f"eval.real_decode_prompts must be >= 0, got {self.real_decode_prompts}"

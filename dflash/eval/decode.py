@@ -23,8 +23,8 @@ import torch
 
 from ..decoding import Sampling, sample_chain
 from ..target.shape import Heads
+from .greedy import EvalItem
 from .offline import evaluate
-from .sets import EvalItem
 from .speed import greedy_report
 
 

@@ -26,8 +26,9 @@ from ..decoding.rejection import expected_accepted, overlap
 from ..decoding.sampled import Sampling
 from ..drafter.blocks import build_blocks, mask_rules
 from ..drafter.model import DFlashDrafter
+from .greedy import EvalItem
 from .metrics import evaluate_prompt, summarize, walk_ddtree
-from .sets import EvalItem, build_eval_sets
+from .sets import build_eval_sets
 
 
 @torch.no_grad()

@@ -10,9 +10,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass
 
-import torch
 from safetensors.torch import load_file, save_file
 
 from ..common.storage import usual_mode, writing
@@ -21,6 +19,7 @@ from ..data.dataset import generate_greedy
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
 from ..data.prompts import encode_prompts, random_prompts
+from .greedy import EvalItem, checked_items, consistent_greedy  # noqa: F401 (re-exported)
 from .heldout import set_conversations
 
 # evaluation-time only, or display: not in the cache key
@@ -34,6 +33,20 @@ NOT_IN_KEY = (
     "enabled",
     "tree_rules",  # which trees are scored on the set, not the set
 )
+# added since eval sets were first named: in the key only when not at these defaults (older
+# caches keep their names)
+KEYED_WHEN_SET = {"near_tie_rounds": 0}
+
+
+def _eval_key(ecfg, skip: tuple[str, ...] = ()) -> dict:
+    """The eval settings that change an eval set (its cache's name)."""
+    return {
+        k: v
+        for k, v in vars(ecfg).items()
+        if k not in (*NOT_IN_KEY, *skip) and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
+    }
+
+
 # (the eval sets answer every turn that fits: data.max_turns is training's)
 DATA_NOT_IN_KEY = (
     "cache_dir",
@@ -43,40 +56,6 @@ DATA_NOT_IN_KEY = (
     "regen_fuse",
     "max_turns",
 )
-
-
-@dataclass
-class EvalItem:
-    prompt_ids: torch.Tensor  # [P]
-    completion_ids: torch.Tensor  # [L] the target's greedy completion (self-consistent)
-    aux_TF: torch.Tensor  # [P+L, K*H] aux states along prompt + completion
-    # [L, H] the target's final (normed) hidden states at positions P-1 .. P+L-2: row j gives
-    # the target's distribution for completion token j (through lm_head), for eval at T > 0.
-    # Cheaper than a target forward at eval time and exact over the whole vocab (top-k
-    # logprobs would truncate min(p, q)); 1/K of the aux cache.
-    final_LH: torch.Tensor | None = None
-
-
-@torch.no_grad()
-def consistent_greedy(target, prompt: list[int], completion: list[int]) -> EvalItem:
-    """Re-run the target over prompt+completion in one forward and keep the completion up to the
-    first token that is not the argmax of that forward (batched generation and a one-shot
-    forward can disagree at near-ties); the walk then compares against a true fixed point."""
-    ids = torch.tensor(list(prompt) + list(completion), dtype=torch.long, device=target.device)[
-        None
-    ]
-    out = target.capture(ids, with_final_hidden=True, compiled=False)  # one row: eager
-    P = len(prompt)
-    pred = out.next_token_NT[0, P - 1 : -1].cpu()
-    comp = torch.tensor(completion, dtype=torch.long)
-    bad = (pred != comp).nonzero()
-    n = int(bad[0]) if bad.numel() else len(completion)
-    return EvalItem(
-        torch.tensor(prompt, dtype=torch.long),
-        comp[:n].clone(),
-        out.aux_NTF[0, : P + n].cpu().clone(),
-        out.final_hidden_NTH[0, P - 1 : P - 1 + n].cpu().clone(),
-    )
 
 
 def eval_prompts(cfg, target, exclude_training: bool = True) -> list[list[int]]:
@@ -157,7 +136,7 @@ def build_eval_set(
     key = {
         "format": 2,  # items carry final_LH
         "exclude_training": exclude_training,
-        "eval": {k: v for k, v in vars(cfg.eval).items() if k not in NOT_IN_KEY},
+        "eval": _eval_key(cfg.eval),
     }
 
     def build():
@@ -192,7 +171,7 @@ def build_named_set(cfg, es, target, cache_dir, log=print, read_dirs=()) -> list
     key = {
         "format": 3,
         "set": {k: v for k, v in asdict(es).items() if k not in NOT_IN_KEY},
-        "eval": {k: v for k, v in vars(cfg.eval).items() if k not in (*NOT_IN_KEY, "sets")},
+        "eval": _eval_key(cfg.eval, ("sets",)),
     }
 
     def build():
@@ -229,7 +208,7 @@ def _cached(cfg, target, key: dict, stem: str, build, cache_dir, read_dirs, log)
     if found:  # the same prompts and completions; the states recomputed on this machine
         t0 = time.perf_counter()
         log(f"eval: no cache; the target's states along the prompts and completions of {found}")
-        items = _checked_items(target, load_eval_tokens(found), t0, log)
+        items = checked_items(target, load_eval_tokens(found), t0, log)
     else:
         items = build()
     if cache_dir:
@@ -261,7 +240,8 @@ def _greedy_items(cfg, target, prompts, log) -> list[EvalItem]:
     comps = generate_greedy(
         target, prompts, cfg.eval.completion_len, cfg.eval.batch_size, desc="eval greedy", log=log
     )
-    return _checked_items(target, list(zip(prompts, comps)), t0, log)
+    rounds, bs = cfg.eval.near_tie_rounds, cfg.eval.batch_size
+    return checked_items(target, list(zip(prompts, comps)), t0, log, rounds, bs)
 
 
 def _turn_items(cfg, target, convs, log) -> list[EvalItem]:
@@ -293,32 +273,7 @@ def _turn_items(cfg, target, convs, log) -> list[EvalItem]:
     seqs, spans, _, _ = run_turns(tp, generate, cfg.data.max_length, target.tokenizer.eos_token_id)
     pairs = [(seq[:a], seq[a:b]) for seq, sp in zip(seqs, spans) for a, b in sp]
     log(f"{len(pairs)} turns of {len(tp)} conversations")
-    return _checked_items(target, pairs, t0, log)
-
-
-def _checked_items(target, pairs, t0: float, log) -> list[EvalItem]:
-    checked = [(consistent_greedy(target, p, c), len(c)) for p, c in pairs if c]
-    cut = sum(it.completion_ids.numel() < n for it, n in checked)
-    items = [it for it, _ in checked if it.completion_ids.numel() >= 2]
-    if not items:
-        raise ValueError(
-            "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
-        )
-    short = len(pairs) - len(items)
-    notes = []
-    if cut:
-        notes.append(
-            f"{cut} of {len(pairs)} completions cut where a one-shot forward of the target parts "
-            "from them, a near-tie"
-        )
-    if short:
-        notes.append(f"{short} left out: shorter than 2 tokens")
-    log(
-        f"eval: {len(items)} prompts, {sum(it.completion_ids.numel() for it in items)} greedy "
-        f"tokens, built in {time.perf_counter() - t0:.1f} s"
-        + (f" ({'; '.join(notes)})" if notes else "")
-    )
-    return items
+    return checked_items(target, pairs, t0, log, cfg.eval.near_tie_rounds, cfg.eval.batch_size)
 
 
 def tokens_path(path: str) -> str:
