@@ -216,3 +216,15 @@ def test_bench_loop_times_dflash2s_three_heads(tmp_path):
     assert res["tiles_speedup"] == pytest.approx(
         res["step_fused_head_ms"] / res["step_tiles_head_ms"]
     )
+
+
+def test_bench_near_ties_reports_the_kept_text_per_rounds_value(tmp_path):
+    args = ["--target", "tiny_llama", "--source", "selfgen", "--dtype", "float32"]
+    args += ["--prompts", "3", "--completion-len", "8", "--batch", "2", "--rounds", "0,2"]
+    res = run_bench("bench_near_ties", args, tmp_path)
+    n = res["greedy_tokens_decoded"]  # up to 3 x 8 (a completion may end at EOS)
+    assert res["prompts"] == 3 and 3 < n <= 24
+    for r in (0, 2):  # fp32 on CPU: batched and one-shot forwards agree, nothing cut
+        assert "cut" not in res[f"rounds{r}_log"], res[f"rounds{r}_log"]
+        kept = res[f"rounds{r}_kept_tokens"]  # all but 1-token completions (EOS at once)
+        assert kept == res["rounds0_kept_tokens"] >= n - 3 and res[f"rounds{r}_kept_share"] <= 1
