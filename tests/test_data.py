@@ -707,14 +707,14 @@ def test_completions_cut_at_a_parting_forward_are_counted(tiny_llama):
     """A completion the one-shot forward parts from (a near-tie on the GPU; here a wrong token)
     is cut there, and the build line says how many were cut and how many left out."""
     from dflash.data.dataset import generate_greedy
-    from dflash.eval.sets import _checked_items
+    from dflash.eval.greedy import checked_items
 
     prompts = random_prompts(3, 4, tiny_llama.vocab_size, [tiny_llama.mask_token_id], seed=2)
     comps = [list(c) for c in generate_greedy(tiny_llama, prompts, 6, 3)]
     comps[0][3] = (comps[0][3] + 1) % tiny_llama.vocab_size  # parts at token 3: cut to 3
     comps[1][1] = (comps[1][1] + 1) % tiny_llama.vocab_size  # cut to 1: left out
     logs = []
-    items = _checked_items(tiny_llama, list(zip(prompts, comps)), 0.0, logs.append)
+    items = checked_items(tiny_llama, list(zip(prompts, comps)), 0.0, logs.append)
     assert [it.completion_ids.tolist() for it in items] == [comps[0][:3], comps[2]]
     assert "(2 of 3 completions cut where" in logs[-1] and "; 1 left out" in logs[-1], logs
 
