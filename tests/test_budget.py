@@ -182,6 +182,10 @@ def test_budgeted_run_stops_on_the_clock_with_final_eval_save_and_plot(tmp_path,
         r"start and target load \d+ s, data \d+ s, trainer and eval set \d+ s, step-0 eval \d+ s"
     )
     assert re.search(r"min spent before training \(" + phases + r"\)", log), log
+    # 2 samples a step, 11 steps: 22 reads of the 8 samples; said once, early, without the hint
+    (line,) = [x for x in log.splitlines() if "at this pace" in x]
+    end = float(re.search(r"reads each of its 8 samples ~\d+ times \(([\d.]+) epochs", line)[1])
+    assert 2.0 <= end <= 3.5 and "data.num_samples" not in line, line
     state = _master(out["checkpoint"])["trainer"]["budget"]
     assert 50 < state["elapsed_s"] <= 60
 
@@ -409,3 +413,21 @@ def test_the_window_line_when_the_first_step_spent_the_budget():
     b.start_training()
     assert b.window_line(0.04) == "time budget: spent by the first step; the run ends with it"
     assert b.done()
+
+
+def test_the_epoch_forecast_is_said_once_and_names_the_fix_past_15_epochs():
+    """EpochForecast: once 5 % of the window has run since its first look, the epochs the whole
+    budget will read at this pace (from where this process started: a resumed run's too); past
+    15 it names more distinct prompts as the better use of the budget."""
+    from dflash.train.budget import EpochForecast
+
+    f = EpochForecast()
+    assert f.update(0.0, 0.0, 1000) is None and f.update(0.04, 1.0, 1000) is None
+    line = f.update(0.05, 1.25, 1000)  # 25 epochs a window
+    assert "each of its 1,000 samples ~25 times (25.0 epochs by the end)" in line
+    assert "more distinct prompts (data.num_samples)" in line
+    assert f.update(0.5, 12.0, 1000) is None  # once
+    resumed = EpochForecast()  # a resume at half the window, 10 epochs read
+    assert resumed.update(0.5, 10.0, 1000) is None
+    line = resumed.update(0.6, 10.5, 1000)  # 5 epochs a window from here: 12.5 at the end
+    assert "(12.5 epochs by the end)" in line and "data.num_samples" not in line

@@ -16,7 +16,7 @@ from ..common.profiling import StepProfiler
 from ..config import RunConfig
 from ..data.batch import TargetBatch, agreement_warning
 from ..data.stream import SampleStream
-from .budget import phase_done, report_start
+from .budget import EpochForecast, phase_done, report_start
 from .resume import BestCheckpoint, save_checkpoint
 from .step import DrafterTrainer
 
@@ -233,6 +233,7 @@ class StepClock:
         self.marks: list = []
         self.busy_s = 0.0  # host time of the steps since the last log step, and the final wait
         self.first = True  # this process's first step: kernels compile there (flex, compile)
+        self.epochs = EpochForecast()  # the budget's epochs, said once in train.log
 
     def mark(self) -> None:
         if self.cuda:
@@ -287,6 +288,9 @@ def _step(
         trainer.follow_budget(progress)
         metrics["time/run_min"] = budget.elapsed() / 60.0
         metrics["time/budget_progress"] = progress
+        epochs = clock.epochs.update(progress, source.stream.epoch, source.stream.num_samples)
+        if epochs is not None and writer:
+            logger.info(epochs)
     bar.update(1)
     log = step % tc.log_every == 0 or final
     if log or clock.first:  # the first step is read for its timing line (kernels compile there)
