@@ -451,3 +451,21 @@ def test_resume_with_the_target_weights_elsewhere_says_to_link_them_at_the_old_p
     msg = str(e.value)
     assert "target.path changed ('/old/qwen' -> '/new/qwen')" in msg
     assert "ln -s /new/qwen /old/qwen" in msg and "resume without target.path" in msg
+
+
+def test_a_resume_may_change_how_the_target_runs_the_capture_not_what_it_computes():
+    """target.compile_layers, capture_graphs, ... name neither cache: a run started compiled on
+    a GPU resumes eagerly elsewhere (e.g. a relay's state checked on a CPU); target.dtype, which
+    changes the forward, is still refused."""
+    import dataclasses
+
+    from dflash.config import RunConfig
+    from dflash.run.plan import check_same_run
+
+    cfg = RunConfig()
+    saved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    saved["target"].update(compile_layers=True, capture_graphs=False, compile_gdn="mlp")
+    check_same_run(cfg, saved, "ck")  # no error
+    saved["target"]["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match="target.dtype changed"):
+        check_same_run(cfg, saved, "ck")
