@@ -66,13 +66,14 @@ def _one_shot(target, prompt, completion) -> tuple[EvalItem, int | None]:
 def checked_items(target, pairs, t0: float, log, rounds: int = 0, batch_size: int = 1):
     """Each completion checked by a one-shot forward (`consistent_greedy`); rounds > 0: a cut one
     continued past the near-tie (`continue_near_ties`, eval.near_tie_rounds)."""
+    given = len(pairs)  # an empty completion counts among those left out
     pairs = [(p, c) for p, c in pairs if c]
     checked = [_one_shot(target, p, c) for p, c in pairs]
     cut = sum(fix is not None for _, fix in checked)
     notes = []
     if cut:
         notes.append(
-            f"{cut} of {len(pairs)} completions cut where a one-shot forward of the target parts "
+            f"{cut} of {given} completions cut where a one-shot forward of the target parts "
             "from them, a near-tie"
         )
     if cut and rounds:
@@ -83,7 +84,7 @@ def checked_items(target, pairs, t0: float, log, rounds: int = 0, batch_size: in
         raise ValueError(
             "eval: no usable prompt (every greedy completion is shorter than 2 tokens)"
         )
-    short = len(pairs) - len(items)
+    short = given - len(items)
     if short:
         notes.append(f"{short} left out: shorter than 2 tokens")
     log(
