@@ -305,6 +305,42 @@ def test_resume_on_edited_samples_of_the_same_count_is_refused_naming_the_cache(
     assert "regenerated or edited" in msg
 
 
+def test_a_resume_that_changes_the_targets_kernels_trains_on_the_data_it_started_with(
+    tmp_path, capsys
+):
+    """target.attn_implementation may change at a resume (another machine may lack a kernel) and
+    names the data cache: the resumed run reads the cache it trained on (run_config.json's
+    data_file; for a run recorded before that key, the name under the kernels it started with)
+    instead of regenerating its data, here in all three legs."""
+    import glob
+
+    def caches():
+        return sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "cache" / "train-*")))
+
+    _train_run(tmp_path, "r", "train.steps=9", "target.attn_implementation=eager", stop_at=3)
+    (first,) = caches()
+    saved = json.load(open(tmp_path / "r" / "run_config.json"))
+    assert saved["data_file"] == first
+    del saved["data_file"]  # a run recorded before the key: the name is computed
+    json.dump(saved, open(tmp_path / "r" / "run_config.json", "w"))
+    capsys.readouterr()
+    for stop in (6, None):
+        _train_run(
+            tmp_path,
+            "r",
+            "train.steps=9",
+            "resume=true",
+            "target.attn_implementation=sdpa",
+            stop_at=stop,
+        )
+        out = capsys.readouterr().out
+        assert f"data: the run's own cache {tmp_path}/cache/{first} (this resume" in out, out
+        assert "regenerat" not in out and caches() == [first]
+        saved = json.load(open(tmp_path / "r" / "run_config.json"))
+        assert saved["data_file"] == first and saved["target"]["attn_implementation"] == "sdpa"
+    assert os.path.isdir(tmp_path / "r" / "checkpoints" / "step_00000009")
+
+
 def test_resume_with_another_step_layout_says_so_and_records_it(tmp_path, capsys):
     _train_run(tmp_path, "r", "train.steps=6", stop_at=3)
     capsys.readouterr()

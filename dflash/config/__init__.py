@@ -13,6 +13,7 @@ from .model import (  # target, drafter
     LAYER_TYPES,
     LINEAR_ATTN_BACKENDS,
     TARGET_EXECUTION_ONLY,
+    TARGET_RESUMABLE,
     DrafterConfig,
     TargetConfig,
 )

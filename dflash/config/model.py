@@ -20,6 +20,10 @@ TARGET_EXECUTION_ONLY = (
     "compile_layers",
     "compile_gdn",
 )
+# How the target computes, which a resumed run may change (another machine may lack a kernel):
+# unlike the settings above they change the numerics, so the text at near-ties, and they name
+# both caches; a resumed run reads the data cache it trained on (dflash.train.build).
+TARGET_RESUMABLE = ("attn_implementation", "linear_attn_backend")
 # Drafter variants, the names of dflash.drafter.variants.VARIANTS (a test keeps the two equal).
 DRAFTER_VARIANTS = ("dflash", "dflash2")
 

@@ -248,16 +248,29 @@ def data_fingerprint(
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def dataset_path(dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str, log=None) -> str:
-    """The data cache of these settings in cache_dir. A cache (or a regeneration's partial files)
-    under its name before 2026-12-07 (`data_fingerprint(legacy=True)`) is used where there is
-    none under the current name: a resumed run keeps its data."""
+def dataset_path(
+    dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str, log=None, also: tuple[str, ...] = ()
+) -> str:
+    """The data cache of these settings in cache_dir. Where there is none under the current name,
+    the first begun of: the name before 2026-12-07 (`data_fingerprint(legacy=True)`), then the
+    file names in `also` (a resumed run's own cache, made under kernels it has since changed:
+    dflash.train.build.own_data_cache). So a resumed run keeps its data."""
     path = os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg)}.pt")
+    if _begun(path):
+        return path
     old = os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg, legacy=True)}.pt")
-    if not _begun(path) and _begun(old):
+    if _begun(old):
         if log:
             log(f"data: the cache under its earlier name {old} (same settings)")
         return old
+    for own in (os.path.join(cache_dir, name) for name in also):
+        if os.path.exists(own):  # complete: the run trained on it
+            if log:
+                log(
+                    f"data: the run's own cache {own} (this resume changed the target's kernels, "
+                    "which name the cache; the run goes on with the data it trained on)"
+                )
+            return own
     return path
 
 
@@ -267,13 +280,14 @@ def _begun(path: str) -> bool:
 
 
 def load_or_build_dataset(
-    dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str, log=print
+    dcfg: DataConfig, tcfg: TargetConfig, target, cache_dir: str, log=print, also=()
 ) -> list[Sample]:
-    """Prompts -> the target's own responses -> samples; cached by a fingerprint of the configs."""
+    """Prompts -> the target's own responses -> samples; cached by a fingerprint of the configs
+    (also: more cache names to read, `dataset_path`)."""
     from .corpora import check_training_sources
 
     check_training_sources(dcfg)
-    path = dataset_path(dcfg, tcfg, cache_dir, log)
+    path = dataset_path(dcfg, tcfg, cache_dir, log, also)
     try:
         if os.path.exists(path):
             samples = load_samples(path)

@@ -29,7 +29,7 @@ from ..common.layout import (
     read_run_config,
     run_dir_of,
 )
-from ..config import TARGET_EXECUTION_ONLY, RunConfig
+from ..config import TARGET_EXECUTION_ONLY, TARGET_RESUMABLE, RunConfig
 
 # Keys a resumed run may change: where and how it runs, logs, evaluates and saves. Everything
 # else (data.*, target.*, drafter.*, the loss, the anchors, the seeds, the schedule and the
@@ -50,8 +50,8 @@ SAFE_KEYS = (
     # how the training capture runs (compiled layers, CUDA graphs, packing, the memory check):
     # neither the data nor the eval sets depend on it (dflash.config.TARGET_EXECUTION_ONLY)
     *(f"target.{k}" for k in TARGET_EXECUTION_ONLY),
-    "target.linear_attn_backend",
-    "target.attn_implementation",
+    # the kernels: they name the caches, but the resumed run reads the data it trained on
+    *(f"target.{k}" for k in TARGET_RESUMABLE),
     "train.dtype",
     "train.lm_head_chunk",
     "train.attn_kernel",

@@ -11,9 +11,11 @@ import sys
 import torch
 
 from ..common.comm import RankContext
-from ..config import RunConfig
+from ..common.layout import read_run_config, run_dir_of
+from ..config import TARGET_RESUMABLE, RunConfig
 from ..data.batch import TargetBatch, collate, target_forward
-from ..data.dataset import load_or_build_dataset
+from ..data.dataset import dataset_path, load_or_build_dataset
+from ..data.mix import data_figures
 from ..drafter.checkpoint import load_drafter
 from ..drafter.model import DFlashDrafter
 from ..drafter.spec import resolve_spec
@@ -166,19 +168,52 @@ def data_cache(cfg: RunConfig, run_dir: str) -> str:
     return cfg.data.cache_dir or os.path.join(run_dir, "data")
 
 
+DATA_FILE = "data_file"  # run_config.json: the data cache file the run trains on
+
+
+def own_data_file(cfg: RunConfig, run_dir: str) -> tuple[str, ...]:
+    """A resumed run's data cache file name: run_config.json's `data_file`, or for a run recorded
+    before that key, the name under the target kernels it started with. A resume may change the
+    kernels (TARGET_RESUMABLE), which name the cache; the run then reads this file instead of
+    regenerating its data (hours on a large target, and a text that differs at bf16 near-ties,
+    which the stream's digest would refuse)."""
+    from .resume import resume_path
+
+    ck = resume_path(cfg, run_dir)
+    if ck is None:
+        return ()
+    saved = read_run_config(run_dir_of(ck) or run_dir) or {}
+    if saved.get(DATA_FILE):
+        return (saved[DATA_FILE],)
+    then = saved.get("target") or {}
+    began = dataclasses.replace(cfg.target, **{k: then[k] for k in TARGET_RESUMABLE if k in then})
+    return (os.path.basename(dataset_path(cfg.data, began, "")),)
+
+
+def data_record(cfg: RunConfig, run_dir: str, samples: list) -> dict:
+    """What run_config.json records of the run's data beside its config: the data mix's shares
+    (data.mix) and the cache file read (`own_data_file`)."""
+    used = dataset_path(
+        cfg.data, cfg.target, data_cache(cfg, run_dir), also=own_data_file(cfg, run_dir)
+    )
+    return {**data_figures(samples, cfg), DATA_FILE: os.path.basename(used)}
+
+
 def dataset_for_rank(
     cfg: RunConfig, target: Target, run_dir: str, log, ctx: RankContext | None = None
 ) -> list:
     """Rank 0 loads or regenerates the data; the other ranks read rank 0's cache afterwards and
     check they got the same samples."""
     cache = data_cache(cfg, run_dir)
+    own = own_data_file(cfg, run_dir)
     if ctx is None or ctx.world == 1:
-        return load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log)
+        return load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log, also=own)
     if ctx.rank == 0:
-        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log)
+        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log, also=own)
         ctx.broadcast_object(samples_digest(samples), src=0)
         return samples
     digest = ctx.broadcast_object(None, src=0)
-    samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=lambda *_: None)
+    quiet = lambda *_: None  # noqa: E731
+    samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=quiet, also=own)
     check_same_samples(samples, digest, ctx.rank)
     return samples

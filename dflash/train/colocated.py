@@ -10,7 +10,6 @@ from ..common.comm import RankContext
 from ..common.layout import write_run_config
 from ..common.loggers import Logger
 from ..config import RunConfig
-from ..data.mix import data_figures
 from ..data.stream import SampleStream
 from ..target.capture import Target
 from ..target.linear_attn import linear_attn_report, linear_attn_summary
@@ -18,6 +17,7 @@ from .budget import phase_done, start_phases
 from .build import (
     build_target,
     data_cache,
+    data_record,
     dataset_for_rank,
     make_batch,
     samples_digest,
@@ -173,7 +173,7 @@ def run_colocated(
     )
     resume(cfg, run_dir, trainer, source.stream, session.logger, ctx if multi else None)
     if writer:
-        write_run_config(cfg, run_dir, data_figures(samples, cfg))
+        write_run_config(cfg, run_dir, data_record(cfg, run_dir, samples))
     return train_loop(
         cfg, trainer, source, evaluator, session.logger, run_dir, stop_at, writer=writer
     )

@@ -12,10 +12,17 @@ from ...common.comm import Outbox, RankContext
 from ...common.interrupt import StopRequest
 from ...config import RunConfig
 from ...data.dataset import load_or_build_dataset
-from ...data.mix import data_figures
 from ...data.stream import SampleStream
 from ...eval.sets import build_eval_sets
-from ..build import build_target, check_same_samples, data_cache, make_batch, samples_digest
+from ..build import (
+    build_target,
+    check_same_samples,
+    data_cache,
+    data_record,
+    make_batch,
+    own_data_file,
+    samples_digest,
+)
 from . import wire
 from .heads import heads_fingerprint
 from .schedule import Roles, Schedule
@@ -36,22 +43,23 @@ def run_worker(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> 
         f"target {cfg.target.name}: {target.num_layers} layers, {target.dtype}, {target.device}, "
         f"linear-attn backend {target.backend}"
     )
-    cache = data_cache(cfg, run_dir)
+    cache, own = data_cache(cfg, run_dir), own_data_file(cfg, run_dir)
     info = None
     if ctx.rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=say)
+        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=say, also=own)
         if cfg.eval.enabled:  # trainers have no target: they read this cache
             build_eval_sets(cfg, target, cache, log=say)
         info = {
             "num_samples": len(samples),
             "digest": samples_digest(samples),
             "heads": heads_fingerprint(target.embed_tokens.weight, target.lm_head.weight),
-            "data": data_figures(samples, cfg),  # for the trainers' run_config.json
+            "data": data_record(cfg, run_dir, samples),  # for the trainers' run_config.json
         }
     info = ctx.broadcast_object(info, src=0)
     if ctx.rank != 0:
-        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=lambda *_: None)
+        quiet = lambda *_: None  # noqa: E731
+        samples = load_or_build_dataset(cfg.data, cfg.target, target, cache, log=quiet, also=own)
         check_same_samples(samples, info["digest"], ctx.rank)
     start = ctx.broadcast_object(None, src=roles.trainer_rank(0))
     sched = Schedule.from_config(cfg, roles, start["step"], start["position"])
