@@ -54,7 +54,7 @@ def test_near_tie_rounds_name_a_cache_of_their_own_and_zero_keeps_the_old_names(
 
     rc = RunConfig(
         data=DataConfig(source="selfgen", num_samples=4, prompt_len=4),
-        eval=EvalConfig(num_prompts=2, completion_len=6, batch_size=2),
+        eval=EvalConfig(num_prompts=2, completion_len=6, batch_size=2, near_tie_rounds=0),
     )
     build_eval_set(rc, tiny_llama, str(tmp_path), log=lambda *_: None)
     build_eval_set(replace(rc, eval=replace(rc.eval, near_tie_rounds=3)), tiny_llama, str(tmp_path),
@@ -65,3 +65,26 @@ def test_near_tie_rounds_name_a_cache_of_their_own_and_zero_keeps_the_old_names(
     assert "near_tie_rounds" not in _eval_key(rc.eval)  # the names of every set before the flag
     with pytest.raises(ValueError, match="near_tie_rounds must be >= 0"):
         EvalConfig(near_tie_rounds=-1).validate()
+
+
+def test_whole_completions_are_the_default_and_older_runs_keep_their_cut_sets():
+    """eval.near_tie_rounds defaults to 4 (whole completions); eval.py on a checkpoint whose run
+    config predates the key restores 0, the cut set its in-loop eval scored, and a run config
+    that records the key keeps its value."""
+    import json
+    from dataclasses import asdict
+
+    from dflash.config import EvalConfig, RunConfig
+    from dflash.eval.cli import _restore_group
+
+    assert EvalConfig().near_tie_rounds == 4
+    saved = json.loads(json.dumps(asdict(RunConfig().eval), default=str))
+    before = {k: v for k, v in saved.items() if k != "near_tie_rounds"}
+    rc, _ = _restore_group(RunConfig(), "eval", EvalConfig, before, set())
+    assert rc.eval.near_tie_rounds == 0
+    rc, _ = _restore_group(RunConfig(), "eval", EvalConfig, {**before, "near_tie_rounds": 2}, set())
+    assert rc.eval.near_tie_rounds == 2
+    rc, label = _restore_group(
+        RunConfig(), "eval", EvalConfig, before, {"eval.near_tie_rounds"}
+    )  # the command line names it: its value (the default here) wins
+    assert rc.eval.near_tie_rounds == 4 and "but eval.near_tie_rounds" in label

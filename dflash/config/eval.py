@@ -94,8 +94,9 @@ class EvalConfig:
     # of the target parts from the batched decode. N > 0: a cut completion goes on from the
     # one-shot token, the rest generated again and checked again, up to N times (whole
     # completions, not mostly their early tokens; docs/evaluation.md#bf16-near-ties). 0: cut
-    # there (every figure before 2026-12-07). Names the eval sets' cache when > 0.
-    near_tie_rounds: int = 0
+    # there (every figure before 2026-12-07, afternoon; a run config without the key ran with 0).
+    # Names the eval sets' cache when > 0.
+    near_tie_rounds: int = 4
     # Named eval sets, each evaluated and reported on its own (eval/<name>/tau ...), e.g.
     # [{name: humaneval, source: humaneval}, {name: chat, source: jsonl, paths: [...], heldout: true}].
     # Empty: one set from eval.source / eval.paths (eval/tau ...)

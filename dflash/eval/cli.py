@@ -52,12 +52,17 @@ def eval_dir(rc: RunConfig, root: str = "evals") -> str:
     return rc.eval_dir or os.path.join(root, name)
 
 
+# What a run config saved before a key existed ran with, where the key's default differs: such a
+# run's eval.py restores this value, so it scores the set the in-loop eval scored.
+BEFORE_THE_KEY = {"eval": {"near_tie_rounds": 0}}
+
+
 def _restore_group(rc: RunConfig, group: str, cls, saved: dict, user_set: set[str]):
     """The run's own values of a config group, with the keys the command line names on top
     (`eval.real_decode_prompts=8` keeps the run's eval prompts)."""
     fields = {f.name for f in dataclasses.fields(cls)}
     mine = sorted({k.split(".")[1] for k in user_set if k.startswith(group + ".")} & fields)
-    merged = {k: v for k, v in saved.items() if k in fields}
+    merged = {**BEFORE_THE_KEY.get(group, {}), **{k: v for k, v in saved.items() if k in fields}}
     merged.update({k: getattr(getattr(rc, group), k) for k in mine})
     label = group + (f" (but {', '.join(f'{group}.{k}' for k in mine)})" if mine else "")
     return dataclasses.replace(rc, **{group: cls(**merged)}), label
