@@ -248,17 +248,22 @@ def data_fingerprint(
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def cache_name(dcfg: DataConfig, tcfg: TargetConfig, legacy: bool = False) -> str:
+    """The data cache's file name (`data_fingerprint`)."""
+    return f"train-{data_fingerprint(dcfg, tcfg, legacy=legacy)}.pt"
+
+
 def dataset_path(
     dcfg: DataConfig, tcfg: TargetConfig, cache_dir: str, log=None, also: tuple[str, ...] = ()
 ) -> str:
     """The data cache of these settings in cache_dir. Where there is none under the current name,
     the first begun of: the name before 2026-12-07 (`data_fingerprint(legacy=True)`), then the
     file names in `also` (a resumed run's own cache, made under kernels it has since changed:
-    dflash.train.build.own_data_cache). So a resumed run keeps its data."""
-    path = os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg)}.pt")
+    dflash.train.build.own_data_file). So a resumed run keeps its data."""
+    path = os.path.join(cache_dir, cache_name(dcfg, tcfg))
     if _begun(path):
         return path
-    old = os.path.join(cache_dir, f"train-{data_fingerprint(dcfg, tcfg, legacy=True)}.pt")
+    old = os.path.join(cache_dir, cache_name(dcfg, tcfg, legacy=True))
     if _begun(old):
         if log:
             log(f"data: the cache under its earlier name {old} (same settings)")

@@ -14,7 +14,7 @@ from ..common.comm import RankContext
 from ..common.layout import read_run_config, run_dir_of
 from ..config import TARGET_RESUMABLE, RunConfig
 from ..data.batch import TargetBatch, collate, target_forward
-from ..data.dataset import dataset_path, load_or_build_dataset
+from ..data.dataset import cache_name, dataset_path, load_or_build_dataset
 from ..data.mix import data_figures
 from ..drafter.checkpoint import load_drafter
 from ..drafter.model import DFlashDrafter
@@ -187,25 +187,27 @@ def own_data_file(cfg: RunConfig, run_dir: str) -> tuple[str, ...]:
         return (saved[DATA_FILE],)
     then = saved.get("target") or {}
     began = dataclasses.replace(cfg.target, **{k: then[k] for k in TARGET_RESUMABLE if k in then})
-    return (os.path.basename(dataset_path(cfg.data, began, "")),)
+    return (cache_name(cfg.data, began),)
 
 
-def data_record(cfg: RunConfig, run_dir: str, samples: list) -> dict:
+def data_record(cfg: RunConfig, run_dir: str, samples: list, own: tuple[str, ...]) -> dict:
     """What run_config.json records of the run's data beside its config: the data mix's shares
-    (data.mix) and the cache file read (`own_data_file`)."""
-    used = dataset_path(
-        cfg.data, cfg.target, data_cache(cfg, run_dir), also=own_data_file(cfg, run_dir)
-    )
+    (data.mix) and the cache file read (own: `own_data_file`)."""
+    used = dataset_path(cfg.data, cfg.target, data_cache(cfg, run_dir), also=own)
     return {**data_figures(samples, cfg), DATA_FILE: os.path.basename(used)}
 
 
 def dataset_for_rank(
-    cfg: RunConfig, target: Target, run_dir: str, log, ctx: RankContext | None = None
+    cfg: RunConfig,
+    target: Target,
+    run_dir: str,
+    log,
+    ctx: RankContext | None = None,
+    own: tuple[str, ...] = (),
 ) -> list:
     """Rank 0 loads or regenerates the data; the other ranks read rank 0's cache afterwards and
-    check they got the same samples."""
+    check they got the same samples. own: a resumed run's own cache file (`own_data_file`)."""
     cache = data_cache(cfg, run_dir)
-    own = own_data_file(cfg, run_dir)
     if ctx is None or ctx.world == 1:
         return load_or_build_dataset(cfg.data, cfg.target, target, cache, log=log, also=own)
     if ctx.rank == 0:

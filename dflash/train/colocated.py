@@ -20,6 +20,7 @@ from .build import (
     data_record,
     dataset_for_rank,
     make_batch,
+    own_data_file,
     samples_digest,
     screen_batch,
 )
@@ -154,7 +155,8 @@ def run_colocated(
         cfg, run_dir, target.shape, writer=writer, describe=describe, logger=logger
     )
     phase_done("start and target load")
-    samples = dataset_for_rank(cfg, target, run_dir, session.logger.info, ctx)
+    own = own_data_file(cfg, run_dir)  # a resumed run's data cache file
+    samples = dataset_for_rank(cfg, target, run_dir, session.logger.info, ctx, own)
     phase_done("data")
     trainer, evaluator = session.start(
         target,
@@ -173,7 +175,7 @@ def run_colocated(
     )
     resume(cfg, run_dir, trainer, source.stream, session.logger, ctx if multi else None)
     if writer:
-        write_run_config(cfg, run_dir, data_record(cfg, run_dir, samples))
+        write_run_config(cfg, run_dir, data_record(cfg, run_dir, samples, own))
     return train_loop(
         cfg, trainer, source, evaluator, session.logger, run_dir, stop_at, writer=writer
     )

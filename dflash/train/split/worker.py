@@ -54,7 +54,7 @@ def run_worker(cfg: RunConfig, run_dir: str, ctx: RankContext, roles: Roles) -> 
             "num_samples": len(samples),
             "digest": samples_digest(samples),
             "heads": heads_fingerprint(target.embed_tokens.weight, target.lm_head.weight),
-            "data": data_record(cfg, run_dir, samples),  # for the trainers' run_config.json
+            "data": data_record(cfg, run_dir, samples, own),  # for the trainers' run_config.json
         }
     info = ctx.broadcast_object(info, src=0)
     if ctx.rank != 0:
