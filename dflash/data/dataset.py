@@ -222,6 +222,16 @@ _ROW_KEYS = ("format", "turns", "mix", "hf_split", "max_turns", "answers")
 _KEYED_WHEN_SET = {"max_turns": None, "answers": "regenerate"}
 
 
+def keyed_settings(settings: dict, skip: tuple, when_set: dict) -> dict:
+    """The settings that name a cache: all but those in skip, and those in when_set only when
+    not at the default given there (a key added after caches were named keeps their names)."""
+    return {
+        k: v
+        for k, v in settings.items()
+        if k not in skip and not (k in when_set and v == when_set[k])
+    }
+
+
 def data_fingerprint(
     dcfg: DataConfig, tcfg: TargetConfig, extra: str = "", legacy: bool = False
 ) -> str:
@@ -234,11 +244,7 @@ def data_fingerprint(
     not_target = ("device",) + (() if legacy else TARGET_EXECUTION_ONLY)
     key = json.dumps(
         {
-            "data": {
-                k: v
-                for k, v in vars(dcfg).items()
-                if k not in skip and not (k in _KEYED_WHEN_SET and v == _KEYED_WHEN_SET[k])
-            },
+            "data": keyed_settings(vars(dcfg), skip, _KEYED_WHEN_SET),
             "target": {k: v for k, v in vars(tcfg).items() if k not in not_target},
             "extra": extra,
         },

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from ..common.storage import usual_mode, writing
 from ..config import TARGET_EXECUTION_ONLY
-from ..data.dataset import generate_greedy
+from ..data.dataset import generate_greedy, keyed_settings
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
 from ..data.prompts import encode_prompts, random_prompts
@@ -40,11 +40,7 @@ KEYED_WHEN_SET = {"near_tie_rounds": 0}
 
 def _eval_key(ecfg, skip: tuple[str, ...] = ()) -> dict:
     """The eval settings that change an eval set (its cache's name)."""
-    return {
-        k: v
-        for k, v in vars(ecfg).items()
-        if k not in (*NOT_IN_KEY, *skip) and not (k in KEYED_WHEN_SET and v == KEYED_WHEN_SET[k])
-    }
+    return keyed_settings(vars(ecfg), (*NOT_IN_KEY, *skip), KEYED_WHEN_SET)
 
 
 # (the eval sets answer every turn that fits: data.max_turns is training's)
