@@ -119,3 +119,24 @@ def test_folders_that_are_no_runs_are_named_not_dropped_unseen(tmp_path, capsys)
     assert f"skipped {tmp_path / 'nope'}: no such directory" in err
     with pytest.raises(SystemExit, match="no run directories"):
         run_dirs([str(bare)])
+
+
+def test_runs_scored_on_different_eval_sets_are_said_not_to_compare(tmp_path):
+    """A run saved before eval.near_tie_rounds (it cut each completion at its first bf16
+    near-tie) next to one scoring whole completions: the table names the key and says the tau
+    columns do not compare; a setting that leaves the set alone (eval.real_decode_prompts) does
+    not."""
+    a, b, c = (_run(tmp_path / n, 2, 3.0) for n in "abc")
+    for d, ev in ((a, {"num_prompts": 164}), (b, {"num_prompts": 164, "near_tie_rounds": 4})):
+        cfg = json.loads(open(f"{d}/run_config.json").read())
+        cfg["eval"] = ev
+        open(f"{d}/run_config.json", "w").write(json.dumps(cfg))
+    out = table([a, b])
+    assert out.splitlines()[0].split(" | ")[1] == "eval.near_tie_rounds"
+    assert [r.split(" | ")[1] for r in out.splitlines()[2:4]] == ["0", "4"]  # a: what it ran with
+    assert "evals score different sets (eval.near_tie_rounds)" in out
+    cfg = json.loads(open(f"{c}/run_config.json").read())
+    cfg["eval"] = {"num_prompts": 164, "near_tie_rounds": 4, "real_decode_prompts": 2}
+    open(f"{c}/run_config.json", "w").write(json.dumps(cfg))
+    out = table([b, c])
+    assert "eval.real_decode_prompts" in out and "different sets" not in out

@@ -7,7 +7,12 @@ from .data import (  # data: prompts, regeneration
     DataConfig,
     MixSourceConfig,
 )
-from .eval import EvalConfig, EvalSetConfig  # eval: the in-loop and eval.py evaluation
+from .eval import (  # eval: the in-loop and eval.py evaluation
+    EVAL_BEFORE_THE_KEY,
+    EVAL_NOT_IN_SET_KEY,
+    EvalConfig,
+    EvalSetConfig,
+)
 from .model import (  # target, drafter
     DTYPES,
     LAYER_TYPES,

@@ -8,6 +8,21 @@ from .checks import check_at_least_one, check_choice
 from .data import FORMATS
 
 EVAL_SET_SOURCES = ("humaneval", "jsonl", "parquet", "hf", "stdlib", "selfgen")
+# evaluation-time only, or display: they do not change an eval set (nor its cache's name); every
+# other eval key does, so runs that differ in one score different text
+EVAL_NOT_IN_SET_KEY = (
+    "temperatures",
+    "top_p",
+    "top_k",
+    "real_decode_prompts",
+    "decode_tree_budgets",
+    "show_rounds",
+    "enabled",
+    "tree_rules",  # which trees are scored on the set, not the set
+)
+# what a run config saved before a key existed ran with, where the key's default differs
+# (eval.py restores it, so it scores the set the in-loop eval scored)
+EVAL_BEFORE_THE_KEY = {"near_tie_rounds": 0}
 
 
 @dataclass(frozen=True)

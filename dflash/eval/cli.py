@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from ..common.layout import drafter_dir, read_run_config, run_dir_of
-from ..config import DataConfig, EvalConfig, RunConfig, TargetConfig
+from ..config import EVAL_BEFORE_THE_KEY, DataConfig, EvalConfig, RunConfig, TargetConfig
 from ..drafter.checkpoint import load_drafter
 from ..drafter.variants import variant
 from ..target.load import load_target
@@ -54,7 +54,7 @@ def eval_dir(rc: RunConfig, root: str = "evals") -> str:
 
 # What a run config saved before a key existed ran with, where the key's default differs: such a
 # run's eval.py restores this value, so it scores the set the in-loop eval scored.
-BEFORE_THE_KEY = {"eval": {"near_tie_rounds": 0}}
+BEFORE_THE_KEY = {"eval": EVAL_BEFORE_THE_KEY}
 
 
 def _restore_group(rc: RunConfig, group: str, cls, saved: dict, user_set: set[str]):

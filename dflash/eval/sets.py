@@ -14,7 +14,7 @@ import time
 from safetensors.torch import load_file, save_file
 
 from ..common.storage import usual_mode, writing
-from ..config import TARGET_EXECUTION_ONLY
+from ..config import EVAL_NOT_IN_SET_KEY, TARGET_EXECUTION_ONLY
 from ..data.dataset import generate_greedy, keyed_settings
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
@@ -22,17 +22,7 @@ from ..data.prompts import encode_prompts, random_prompts
 from .greedy import EvalItem, checked_items, consistent_greedy  # noqa: F401 (re-exported)
 from .heldout import set_conversations
 
-# evaluation-time only, or display: not in the cache key
-NOT_IN_KEY = (
-    "temperatures",
-    "top_p",
-    "top_k",
-    "real_decode_prompts",
-    "decode_tree_budgets",
-    "show_rounds",
-    "enabled",
-    "tree_rules",  # which trees are scored on the set, not the set
-)
+NOT_IN_KEY = EVAL_NOT_IN_SET_KEY  # evaluation-time only, or display: not in the cache key
 # added since eval sets were first named: in the key only when not at these defaults (older
 # caches keep their names)
 KEYED_WHEN_SET = {"near_tie_rounds": 0}

@@ -20,6 +20,7 @@ import sys
 from ..common.layout import read_run_config
 from ..common.loggers import eval_key
 from ..common.plot import eval_curve, eval_set_keys, load_metrics, plot_curves
+from ..config import EVAL_BEFORE_THE_KEY, EVAL_NOT_IN_SET_KEY
 
 
 def flat_config(run_dir: str) -> dict:
@@ -27,6 +28,8 @@ def flat_config(run_dir: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found; pass run directories (outputs/<run>)")
     cfg = read_run_config(run_dir)
+    if isinstance(cfg.get("eval"), dict):  # a run saved before a key: what it ran with
+        cfg["eval"] = {**EVAL_BEFORE_THE_KEY, **cfg["eval"]}
     out = {}
 
     def walk(prefix, node):
@@ -51,6 +54,13 @@ def differing_keys(configs: list[dict]) -> list[str]:
         if not k.startswith(_NOT_SETTINGS)
         and len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1
     ]
+
+
+def eval_set_keys_differ(keys: list[str]) -> list[str]:
+    """Of the differing settings, those that change the eval set: such runs' tau are scored on
+    other text (`eval.near_tie_rounds` 0 cuts each completion at its first bf16 near-tie, 4
+    scores it whole) and do not compare."""
+    return [k for k in keys if k.startswith("eval.") and k.split(".")[1] not in EVAL_NOT_IN_SET_KEY]
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -120,6 +130,13 @@ def table(run_dirs: list[str], at: list[float] = (), runs=None) -> str:
             by = tau_by(rows, m)
             cells.append(", ".join(f"{n} {v:.3f}".strip() for n, v in sorted(by.items())) or "-")
         lines.append("| " + " | ".join(cells) + " |")
+    apart = eval_set_keys_differ(keys)
+    if apart:
+        lines.append(
+            f"\nThe runs' evals score different sets ({', '.join(apart)}): their tau and DDTree"
+            " columns do not compare. Score each checkpoint on one set: `python eval.py"
+            " ckpt=RUN` with the same settings (e.g. eval.near_tie_rounds=4)."
+        )
     return "\n".join(lines) + "\n"
 
 
