@@ -20,8 +20,9 @@ EVAL_NOT_IN_SET_KEY = (
     "enabled",
     "tree_rules",  # which trees are scored on the set, not the set
 )
-# what a run config saved before a key existed ran with, where the key's default differs
-# (eval.py restores it, so it scores the set the in-loop eval scored)
+# the value every run and eval set had before a key existed, where the key's default differs:
+# eval.py restores it for a run config saved before the key (it scores the set the in-loop eval
+# scored), and an eval set's cache name holds the key only when set otherwise
 EVAL_BEFORE_THE_KEY = {"near_tie_rounds": 0}
 
 

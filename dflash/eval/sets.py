@@ -14,7 +14,7 @@ import time
 from safetensors.torch import load_file, save_file
 
 from ..common.storage import usual_mode, writing
-from ..config import EVAL_NOT_IN_SET_KEY, TARGET_EXECUTION_ONLY
+from ..config import EVAL_BEFORE_THE_KEY, EVAL_NOT_IN_SET_KEY, TARGET_EXECUTION_ONLY
 from ..data.dataset import generate_greedy, keyed_settings
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
@@ -22,15 +22,12 @@ from ..data.prompts import encode_prompts, random_prompts
 from .greedy import EvalItem, checked_items, consistent_greedy  # noqa: F401 (re-exported)
 from .heldout import set_conversations
 
-NOT_IN_KEY = EVAL_NOT_IN_SET_KEY  # evaluation-time only, or display: not in the cache key
-# added since eval sets were first named: in the key only when not at these defaults (older
-# caches keep their names)
-KEYED_WHEN_SET = {"near_tie_rounds": 0}
-
 
 def _eval_key(ecfg, skip: tuple[str, ...] = ()) -> dict:
     """The eval settings that change an eval set (its cache's name)."""
-    return keyed_settings(vars(ecfg), (*NOT_IN_KEY, *skip), KEYED_WHEN_SET)
+    # a key added since eval sets were first named (EVAL_BEFORE_THE_KEY: the value every set had
+    # before it) is in the name only when set otherwise, so older caches keep their names
+    return keyed_settings(vars(ecfg), (*EVAL_NOT_IN_SET_KEY, *skip), EVAL_BEFORE_THE_KEY)
 
 
 # (the eval sets answer every turn that fits: data.max_turns is training's)
@@ -156,7 +153,7 @@ def build_named_set(cfg, es, target, cache_dir, log=print, read_dirs=()) -> list
     say = lambda msg: log(f"eval set {es.name}: {msg}")  # noqa: E731
     key = {
         "format": 3,
-        "set": {k: v for k, v in asdict(es).items() if k not in NOT_IN_KEY},
+        "set": {k: v for k, v in asdict(es).items() if k not in EVAL_NOT_IN_SET_KEY},
         "eval": _eval_key(cfg.eval, ("sets",)),
     }
 
