@@ -15,7 +15,8 @@ grep -E "tau|tokens_per_s|time budget" /tmp/res/train.out | tail -6
 echo "recompile lines: $(grep -c Recompiling /tmp/res/train.out 2>/dev/null)"
 [ -f /tmp/res/done ] && [ -f /tmp/res/eval.out ] && tail -28 /tmp/res/eval.out
 [ -f /tmp/res/done ] && [ -f /tmp/res/eval32.out ] && tail -12 /tmp/res/eval32.out
-[ -f /tmp/res/done ] && python3 - <<'PY'  # in-loop vs eval.py (each set), chat eval, bench
+[ -f /tmp/res/regen_run.out ] && tail -40 /tmp/res/regen_run.out  # CHAIN=regen_ab.sh
+[ -f /tmp/res/done ] && [ -f /tmp/res/metrics.jsonl ] && python3 - <<'PY'  # in-loop vs eval.py (each set), chat eval, bench
 import json, os
 rows = [json.loads(x) for x in open("/tmp/res/metrics.jsonl") if x.strip()]
 last = [r for r in rows if any(k.startswith("eval/") and k.endswith("tau") for k in r)][-1]

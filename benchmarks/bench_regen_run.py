@@ -1,0 +1,114 @@
+"""A run's own regeneration (its prompts, its target) with each option of the static decoder, one
+after another in one process under the same time cap: prompts reached, response tokens a second,
+and whether each variant's samples equal the plain decoder's (the same batches in the same
+seeded order; in bf16 another kernel may flip a near-tie, so the share is reported).
+
+  python benchmarks/bench_regen_run.py +exp=qwen05_coder --minutes 2 \
+      --variants plain fuse compact fuse+compact --workdir /tmp/regen_ab
+  python benchmarks/bench_regen_run.py data.num_samples=64 --minutes 1   # the default tiny job
+
+Positional arguments are train.py's overrides (the run whose data is regenerated); each variant
+is that run's data config with data.regen_time_limit_min=--minutes and the named options on
+(`fuse`: data.regen_fuse, `compact`: data.regen_compact, `compile`: data.regen_compile, joined
+by `+`). The options act on the CUDA static decoder only: on CPU every variant is HF generate
+(the script still runs end to end). bench_regen.py times the same options on random prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import os
+import re
+import shutil
+import tempfile
+import time
+
+import torch
+from common import report
+
+OPTIONS = {"fuse": "regen_fuse", "compact": "regen_compact", "compile": "regen_compile"}
+
+
+def variant_flags(name: str) -> dict:
+    """`plain` or options joined by `+` (fuse+compact) as data.* flags."""
+    parts = [] if name == "plain" else name.split("+")
+    bad = sorted(set(parts) - set(OPTIONS))
+    if bad:
+        raise SystemExit(f"variant {name!r}: unknown option(s) {bad}; use plain or {list(OPTIONS)}")
+    return {flag: opt in parts for opt, flag in OPTIONS.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overrides", nargs="*", help="train.py overrides, e.g. +exp=qwen05_coder")
+    ap.add_argument("--minutes", type=float, default=2.0, help="each variant's regeneration cap")
+    ap.add_argument("--variants", nargs="+", default=["plain", "fuse"])
+    ap.add_argument(
+        "--workdir", default=None, help="the variants' sample files (default: a temp dir)"
+    )
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    flags = {v: variant_flags(v) for v in args.variants}
+    from dflash.data.dataset import decoder_name, regenerate_dataset
+    from dflash.run.cli import run_config
+    from dflash.target.load import load_target
+
+    cfg = run_config(args.overrides)
+    t = time.perf_counter()
+    target = load_target(cfg.target, num_aux=1)
+    res = {
+        "overrides": " ".join(args.overrides),
+        "target": cfg.target.name,
+        "dtype": str(target.dtype),
+        "device": str(target.device),
+        "decoder": decoder_name(target, cfg.data.regen_temperature),
+        "num_samples": cfg.data.num_samples,
+        "regen_batch_size": cfg.data.regen_batch_size,
+        "minutes_cap": args.minutes,
+        "target_load_s": round(time.perf_counter() - t, 1),
+    }
+    work = args.workdir or tempfile.mkdtemp(prefix="regen_run_")
+    os.makedirs(work, exist_ok=True)
+    got = {}
+    for name in args.variants:
+        dcfg = dataclasses.replace(cfg.data, regen_time_limit_min=args.minutes, **flags[name])
+        path = os.path.join(work, f"{name.replace('+', '_')}.pt")
+        for old in glob.glob(path + "*"):  # never resume an earlier call's partial file
+            shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        lines: list[str] = []
+
+        def log(msg, lines=lines):
+            print(f"[{name}] {msg}", flush=True)
+            lines.append(msg)
+
+        t = time.perf_counter()
+        samples = regenerate_dataset(dcfg, cfg.target, target, path, log)
+        res[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
+        text = "\n".join(lines)
+        m = re.search(r"([\d]+) new tokens in ([\d.]+) s", text)
+        if m:
+            res[f"{name}_new_tokens"] = int(m.group(1))
+            res[f"{name}_regen_s"] = float(m.group(2))
+            res[f"{name}_tokens_per_s"] = round(int(m.group(1)) / float(m.group(2)), 1)
+        m = re.search(r"after (\d+) of (\d+) prompts", text)
+        res[f"{name}_prompts_reached"] = int(m.group(1)) if m else "all"
+        res[f"{name}_samples"] = len(samples)
+        got[name] = {s.sample_id: s.input_ids for s in samples}
+    base = args.variants[0]
+    for name in args.variants[1:]:
+        common = sorted(set(got[name]) & set(got[base]))
+        same = sum(torch.equal(got[name][i], got[base][i]) for i in common)
+        res[f"identical_samples_{name}_vs_{base}"] = f"{same}/{len(common)}"
+        if f"{base}_tokens_per_s" in res and f"{name}_tokens_per_s" in res:
+            res[f"{name}_speedup"] = round(
+                res[f"{name}_tokens_per_s"] / res[f"{base}_tokens_per_s"], 3
+            )
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    report(res, args.out)
+
+
+if __name__ == "__main__":
+    main()
