@@ -9,8 +9,8 @@ seeded order; in bf16 another kernel may flip a near-tie, so the share is report
 
 Positional arguments are train.py's overrides (the run whose data is regenerated); each variant
 is that run's data config with data.regen_time_limit_min=--minutes and the named options on
-(`fuse`: data.regen_fuse, `compact`: data.regen_compact, `compile`: data.regen_compile, joined
-by `+`). The options act on the CUDA static decoder only: on CPU every variant is HF generate
+(`fuse`: data.regen_fuse, `compact`: data.regen_compact, `compile`: data.regen_compile, `bN`:
+data.regen_batch_size=N, joined by `+`, e.g. fuse+b1024). The options act on the CUDA static decoder only: on CPU every variant is HF generate
 (the script still runs end to end). bench_regen.py times the same options on random prompts.
 """
 
@@ -32,12 +32,17 @@ OPTIONS = {"fuse": "regen_fuse", "compact": "regen_compact", "compile": "regen_c
 
 
 def variant_flags(name: str) -> dict:
-    """`plain` or options joined by `+` (fuse+compact) as data.* flags."""
+    """`plain` or options joined by `+` (fuse+compact, fuse+b1024) as data.* settings."""
     parts = [] if name == "plain" else name.split("+")
-    bad = sorted(set(parts) - set(OPTIONS))
-    if bad:
-        raise SystemExit(f"variant {name!r}: unknown option(s) {bad}; use plain or {list(OPTIONS)}")
-    return {flag: opt in parts for opt, flag in OPTIONS.items()}
+    sizes = [p for p in parts if re.fullmatch(r"b[1-9]\d*", p)]
+    bad = sorted(set(parts) - set(OPTIONS) - set(sizes))
+    if bad or len(sizes) > 1:
+        raise SystemExit(
+            f"variant {name!r}: unknown option(s) {bad or sizes}; use plain, or of "
+            f"{list(OPTIONS)} and one bN (data.regen_batch_size=N) joined by +"
+        )
+    flags = {flag: opt in parts for opt, flag in OPTIONS.items()}
+    return flags | ({"regen_batch_size": int(sizes[0][1:])} if sizes else {})
 
 
 def main() -> None:
@@ -86,6 +91,7 @@ def main() -> None:
         t = time.perf_counter()
         samples = regenerate_dataset(dcfg, cfg.target, target, path, log)
         res[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
+        res[f"{name}_batch"] = dcfg.regen_batch_size
         text = "\n".join(lines)
         m = re.search(r"([\d]+) new tokens in ([\d.]+) s", text)
         if m:

@@ -144,15 +144,16 @@ def test_bench_regen_run_regenerates_a_runs_data_once_per_variant(tmp_path):
     res = run_bench(
         "bench_regen_run",
         ["data.num_samples=16", "data.response_len=8", "--minutes", "1"]
-        + ["--variants", "plain", "fuse+compact", "--workdir", str(tmp_path / "w")],
+        + ["--variants", "plain", "fuse+compact+b4", "--workdir", str(tmp_path / "w")],
         tmp_path,
     )
     assert res["decoder"] == "HF generate"  # CPU: the options act on the CUDA decoder only
-    for v in ("plain", "fuse+compact"):
+    for v in ("plain", "fuse+compact+b4"):
         assert res[f"{v}_samples"] == 16 and res[f"{v}_prompts_reached"] == "all"
         assert res[f"{v}_tokens_per_s"] > 0
-    assert res["identical_samples_fuse+compact_vs_plain"] == "16/16"
-    assert (tmp_path / "w" / "fuse_compact.pt").is_file()
+    assert res["plain_batch"] == 32 and res["fuse+compact+b4_batch"] == 4
+    assert res["identical_samples_fuse+compact+b4_vs_plain"] == "16/16"  # float32 on CPU
+    assert (tmp_path / "w" / "fuse_compact_b4.pt").is_file()
 
 
 def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
