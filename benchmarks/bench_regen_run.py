@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -43,6 +44,16 @@ def variant_flags(name: str) -> dict:
         )
     flags = {flag: opt in parts for opt, flag in OPTIONS.items()}
     return flags | ({"regen_batch_size": int(sizes[0][1:])} if sizes else {})
+
+
+def by_prompt(samples) -> dict:
+    """Each sample's tokens under a digest of its prompt: under a time cap, variants reach other
+    prompts (sample ids count the samples kept, so they name other prompts)."""
+    out = {}
+    for s in samples:
+        n = int(s.loss_mask.int().argmax()) if bool(s.loss_mask.any()) else len(s.input_ids)
+        out[hashlib.sha1(s.input_ids[:n].numpy().tobytes()).digest()] = s.input_ids
+    return out
 
 
 def main() -> None:
@@ -101,7 +112,7 @@ def main() -> None:
         m = re.search(r"after (\d+) of (\d+) prompts", text)
         res[f"{name}_prompts_reached"] = int(m.group(1)) if m else "all"
         res[f"{name}_samples"] = len(samples)
-        got[name] = {s.sample_id: s.input_ids for s in samples}
+        got[name] = by_prompt(samples)
     base = args.variants[0]
     for name in args.variants[1:]:
         common = sorted(set(got[name]) & set(got[base]))

@@ -156,6 +156,27 @@ def test_bench_regen_run_regenerates_a_runs_data_once_per_variant(tmp_path):
     assert (tmp_path / "w" / "fuse_compact_b4.pt").is_file()
 
 
+def test_bench_regen_run_matches_samples_by_prompt_not_by_id():
+    """Under a time cap two variants keep other prompts, and sample ids count the kept samples:
+    the comparison must pair samples by their prompt."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_regen_run import by_prompt
+
+    from dflash.data.batch import Sample
+
+    def sample(i, prompt, response):
+        ids = torch.tensor(prompt + response)
+        mask = torch.tensor([False] * len(prompt) + [True] * len(response))
+        return Sample(sample_id=i, input_ids=ids, loss_mask=mask)
+
+    a = by_prompt([sample(0, [5, 6], [7, 8]), sample(1, [9], [1])])
+    b = by_prompt([sample(0, [9], [1]), sample(1, [3, 4], [2])])  # prompt [5, 6] not reached
+    (common,) = set(a) & set(b)
+    assert torch.equal(a[common], b[common]) and a[common].tolist() == [9, 1]
+
+
 def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
     rows = tmp_path / "rows.jsonl"
     conv = [
