@@ -1,17 +1,18 @@
 """A run's own regeneration (its prompts, its target) with each option of the static decoder, one
 after another in one process under the same time cap: prompts reached, response tokens a second,
-and whether each variant's samples equal the plain decoder's (the same batches in the same
-seeded order; in bf16 another kernel may flip a near-tie, so the share is reported).
+and whether each variant's samples equal the plain decoder's (the same seeded batch order; in bf16
+another kernel or batch size may flip a near-tie, so the share is reported).
 
-  python benchmarks/bench_regen_run.py +exp=qwen05_coder --minutes 2 \
-      --variants plain fuse compact fuse+compact --workdir /tmp/regen_ab
+  python benchmarks/bench_regen_run.py +exp=qwen05_coder --minutes 1.5 \
+      --variants plain fuse fuse+compact fuse+b1024 --workdir /tmp/regen_ab
   python benchmarks/bench_regen_run.py data.num_samples=64 --minutes 1   # the default tiny job
 
 Positional arguments are train.py's overrides (the run whose data is regenerated); each variant
 is that run's data config with data.regen_time_limit_min=--minutes and the named options on
 (`fuse`: data.regen_fuse, `compact`: data.regen_compact, `compile`: data.regen_compile, `bN`:
-data.regen_batch_size=N, joined by `+`, e.g. fuse+b1024). The options act on the CUDA static decoder only: on CPU every variant is HF generate
-(the script still runs end to end). bench_regen.py times the same options on random prompts.
+data.regen_batch_size=N; joined by `+`). The first variant is the baseline of the ratios. The
+options act on the CUDA static decoder only: on CPU every variant is HF generate (the script
+still runs end to end). bench_regen.py times the same options on random prompts.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     flags = {v: variant_flags(v) for v in args.variants}
-    from dflash.data.dataset import decoder_name, regenerate_dataset
+    from dflash.data.dataset import decoder_name, generate_greedy, regenerate_dataset
     from dflash.run.cli import run_config
     from dflash.target.load import load_target
 
@@ -85,6 +86,7 @@ def main() -> None:
         "minutes_cap": args.minutes,
         "target_load_s": round(time.perf_counter() - t, 1),
     }
+    generate_greedy(target, [[1, 2, 3]] * 2, 4, 2)  # the first forward's warm-up, not timed
     work = args.workdir or tempfile.mkdtemp(prefix="regen_run_")
     os.makedirs(work, exist_ok=True)
     got = {}
