@@ -106,7 +106,7 @@ def main() -> None:
         res[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
         res[f"{name}_batch"] = dcfg.regen_batch_size
         text = "\n".join(lines)
-        m = re.search(r"([\d]+) new tokens in ([\d.]+) s", text)
+        m = re.search(r"(\d+) new tokens in ([\d.]+) s", text)
         if m:
             res[f"{name}_new_tokens"] = int(m.group(1))
             res[f"{name}_regen_s"] = float(m.group(2))
@@ -117,7 +117,7 @@ def main() -> None:
         got[name] = by_prompt(samples)
     base = args.variants[0]
     for name in args.variants[1:]:
-        common = sorted(set(got[name]) & set(got[base]))
+        common = got[name].keys() & got[base].keys()
         same = sum(torch.equal(got[name][i], got[base][i]) for i in common)
         res[f"identical_samples_{name}_vs_{base}"] = f"{same}/{len(common)}"
         if f"{base}_tokens_per_s" in res and f"{name}_tokens_per_s" in res:
