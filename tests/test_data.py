@@ -602,6 +602,33 @@ def test_the_targets_execution_settings_key_neither_cache(tmp_path, tiny_llama):
     assert any("from cache" in m for m in logs) and sorted(os.listdir(tmp_path / "ev")) == files
 
 
+def test_dtype_auto_names_the_cache_of_the_dtype_it_resolves_to(tmp_path, monkeypatch):
+    """`target.dtype=auto` is float32 on a CPU and bfloat16 on a GPU, whose texts differ at
+    near-ties: the data cache and the eval set are named by the resolved dtype, so the same
+    command on the two machines does not share a cache, and auto on a CPU is float32's."""
+    import torch
+
+    from dflash.config import RunConfig
+    from dflash.eval.sets import _set_names
+
+    class _T:
+        layer_ids = [1]
+
+    dc = DataConfig(source="selfgen", num_samples=4, prompt_len=4)
+    auto, fp32, bf16 = (
+        TargetConfig(name="tiny_llama", dtype=d) for d in ("auto", "float32", "bfloat16")
+    )
+    sets = {
+        d: _set_names(RunConfig(target=replace(RunConfig().target, dtype=d, device="cpu")), _T, {}, "eval")[0]
+        for d in ("auto", "float32", "bfloat16")
+    }  # fmt: skip
+    assert dataset_path(dc, auto, str(tmp_path)) == dataset_path(dc, fp32, str(tmp_path))
+    assert sets["auto"] == sets["float32"] != sets["bfloat16"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the same command on a GPU
+    assert dataset_path(dc, auto, str(tmp_path)) == dataset_path(dc, bf16, str(tmp_path))
+    assert dataset_path(dc, auto, str(tmp_path)) != dataset_path(dc, fp32, str(tmp_path))
+
+
 def test_caches_named_before_the_execution_settings_left_their_key_are_still_read(
     tmp_path, tiny_llama, monkeypatch
 ):
@@ -639,6 +666,7 @@ def test_caches_named_before_the_execution_settings_left_their_key_are_still_rea
     )
     with monkeypatch.context() as m:  # the set written as before: every target setting keyed
         m.setattr(sets, "TARGET_EXECUTION_ONLY", ())
+        m.setattr(sets, "concrete_settings", vars)  # and "auto" not yet resolved
         items = sets.build_eval_set(rc, tiny_llama, str(tmp_path / "ev"), log=lambda *_: None)
     (legacy, _) = sorted(os.listdir(tmp_path / "ev"))
 

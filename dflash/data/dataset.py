@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..common.loggers import progress_bars_off
 from ..config import TARGET_EXECUTION_ONLY, DataConfig, TargetConfig
+from ..target.load import concrete_settings
 from .batch import Sample
 from .files import drop_held_reads
 from .shards import ResponseShards, atomic_torch_save, pack_samples, unpack_samples
@@ -242,10 +243,12 @@ def data_fingerprint(
         _ROW_KEYS if dcfg.source in ("selfgen", "stdlib", "humaneval") else ()
     )
     not_target = ("device",) + (() if legacy else TARGET_EXECUTION_ONLY)
+    # dtype "auto" named float32 and bfloat16 caches alike until 2026-12-07 (the legacy name)
+    target_settings = vars(tcfg) if legacy else concrete_settings(tcfg)
     key = json.dumps(
         {
             "data": keyed_settings(vars(dcfg), skip, _KEYED_WHEN_SET),
-            "target": {k: v for k, v in vars(tcfg).items() if k not in not_target},
+            "target": {k: v for k, v in target_settings.items() if k not in not_target},
             "extra": extra,
         },
         sort_keys=True,

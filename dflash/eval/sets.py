@@ -19,6 +19,7 @@ from ..data.dataset import generate_greedy, keyed_settings
 from ..data.files import text_prompts
 from ..data.mix import training_conversations
 from ..data.prompts import encode_prompts, random_prompts
+from ..target.load import concrete_settings
 from .greedy import EvalItem, checked_items, consistent_greedy  # noqa: F401 (re-exported)
 from .heldout import set_conversations
 
@@ -204,11 +205,15 @@ def _set_names(cfg, target, key: dict, stem: str) -> tuple[str, str]:
     """The eval set's cache name, and its name before 2026-12-07 (still read), when the target's
     execution-only settings (TARGET_EXECUTION_ONLY: the sets are built eagerly, one row at a
     time) keyed it too. Where the data cache lives, how training batches are packed and the
-    static decoder's options change nothing of an eval set either."""
+    static decoder's options change nothing of an eval set either. device and dtype "auto" are
+    named as resolved here (a CPU's float32 set is not a GPU's bfloat16 one)."""
     data = {k: v for k, v in vars(cfg.data).items() if k not in DATA_NOT_IN_KEY}
     names = []
-    for skip in (TARGET_EXECUTION_ONLY, ()):
-        tgt = {k: v for k, v in vars(cfg.target).items() if k not in skip}
+    for skip, settings in (
+        (TARGET_EXECUTION_ONLY, concrete_settings(cfg.target)),
+        ((), vars(cfg.target)),
+    ):
+        tgt = {k: v for k, v in settings.items() if k not in skip}
         text = json.dumps(
             {**key, "data": data, "target": tgt, "layers": target.layer_ids},
             sort_keys=True,

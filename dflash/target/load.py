@@ -32,6 +32,19 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def concrete_settings(cfg: TargetConfig) -> dict:
+    """The target's settings with `device` and `dtype` "auto" resolved on this machine, as they
+    name a cache: a data cache or an eval set of `auto` written on a CPU (float32) is not read
+    by the same command on a GPU (bfloat16), whose text differs at near-ties."""
+    out = dict(vars(cfg))
+    device = resolve_device(cfg.device)
+    if cfg.device == "auto":
+        out["device"] = device.type
+    if cfg.dtype == "auto":
+        out["dtype"] = str(resolve_dtype("auto", device)).removeprefix("torch.")
+    return out
+
+
 # ----------------------------------------------------------------------------- loading
 CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
 
