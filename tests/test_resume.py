@@ -320,7 +320,7 @@ def test_a_resume_that_changes_the_targets_kernels_trains_on_the_data_it_started
     _train_run(tmp_path, "r", "train.steps=9", "target.attn_implementation=eager", stop_at=3)
     (first,) = caches()
     saved = json.load(open(tmp_path / "r" / "run_config.json"))
-    assert saved["data_file"] == first
+    assert saved["data_file"] == first and saved["target_dtype"] == "float32"  # auto on a CPU
     del saved["data_file"]  # a run recorded before the key: the name is computed
     json.dump(saved, open(tmp_path / "r" / "run_config.json", "w"))
     capsys.readouterr()
@@ -503,5 +503,40 @@ def test_a_resume_may_change_how_the_target_runs_the_capture_not_what_it_compute
     saved["target"].update(compile_layers=True, capture_graphs=False, compile_gdn="mlp")
     check_same_run(cfg, saved, "ck")  # no error
     saved["target"]["dtype"] = "bfloat16"
+    with pytest.raises(ValueError, match="target.dtype changed"):
+        check_same_run(cfg, saved, "ck")
+
+
+def test_a_resume_may_not_change_what_target_dtype_auto_resolves_to(monkeypatch):
+    """target.dtype=auto is float32 on a CPU and bfloat16 on CUDA: a run begun on one (its
+    run_config.json records the dtype it ran as) is refused on the other, with the setting that
+    continues it; auto and that explicit dtype are the same run."""
+    import dataclasses
+
+    import torch
+
+    from dflash.config import RunConfig
+    from dflash.run.plan import check_same_run
+
+    cfg = RunConfig()
+    assert cfg.target.dtype == "auto"
+    saved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    saved["target_dtype"] = "float32"  # begun on a CPU
+    check_same_run(cfg, saved, "ck")  # on a CPU again: no error
+    cfg.target.dtype = "float32"
+    check_same_run(cfg, saved, "ck")  # auto -> float32 on a CPU: the same run
+    cfg.target.dtype = "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # resumed on a GPU
+    with pytest.raises(ValueError) as e:
+        check_same_run(cfg, saved, "ck")
+    msg = str(e.value)
+    assert "target.dtype=auto is bfloat16 on this machine but the run started in float32" in msg
+    assert "set target.dtype=float32" in msg and "drafter.init_from=ck" in msg
+    cfg.target.dtype = "float32"
+    check_same_run(cfg, saved, "ck")  # the fix the message names
+    cfg.target.dtype = "bfloat16"
+    with pytest.raises(ValueError, match="is bfloat16 on this machine"):
+        check_same_run(cfg, saved, "ck")
+    del saved["target_dtype"]  # a run recorded before the key: the setting itself is compared
     with pytest.raises(ValueError, match="target.dtype changed"):
         check_same_run(cfg, saved, "ck")

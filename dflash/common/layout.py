@@ -245,6 +245,9 @@ def _writer_gone(name: str) -> bool:
 
 
 LAYOUT_CHANGES = "layout_changes"  # run_config.json: resumes that cut the steps differently
+# run_config.json: the target's dtype as the run resolved it (target.dtype=auto: float32 on a CPU,
+# bfloat16 on CUDA), which a resume may not change (dflash.run.plan.check_same_run)
+TARGET_DTYPE = "target_dtype"
 
 
 def note_layout_change(run_dir: str, change: dict) -> None:

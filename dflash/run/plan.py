@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ..common.interrupt import Interrupted, signal_name, stop_signal
 from ..common.layout import (
+    TARGET_DTYPE,
     _checkpoint_or_none,
     checkpoint_step,
     ended_at,
@@ -203,8 +204,11 @@ def check_same_run(
             f"{'null' if old[budget] is None else old[budget]} (another value is fine), or start "
             f"a new run from the checkpoint with drafter.init_from={ckpt}"
         )
+    # target.dtype as resolved is checked below where the run recorded it (auto -> float32 on a
+    # CPU is the same run as float32)
+    resolved = {"target.dtype"} if saved.get(TARGET_DTYPE) else set()
     for key in sorted(now):
-        if key in old and not _safe(key) and now[key] != old[key]:
+        if key in old and not _safe(key) and key not in resolved and now[key] != old[key]:
             how = (
                 f"a new schedule: start a new run from the checkpoint with drafter.init_from={ckpt}"
                 if key in SCHEDULE_KEYS
@@ -225,6 +229,24 @@ def check_same_run(
                 f"resume: {key} changed ({old[key]!r} -> {now[key]!r}) since the run started; it "
                 f"would change the {what} of the run being continued; {how}"
             )
+    _check_resolved_dtype(cfg, saved, ckpt)
+
+
+def _check_resolved_dtype(cfg: RunConfig, saved: dict, ckpt: str) -> None:
+    """target.dtype=auto resolves per machine (float32 on a CPU, bfloat16 on CUDA): a run begun on
+    one and resumed on the other would capture its states and label its data in another dtype,
+    which an explicit target.dtype change is refused for. run_config.json records what it ran as."""
+    from ..target.load import concrete_settings
+
+    then = saved.get(TARGET_DTYPE)
+    here = concrete_settings(cfg.target)["dtype"]
+    if then and here != then:
+        raise ValueError(
+            f"resume: target.dtype={cfg.target.dtype} is {here} on this machine but the run "
+            f"started in {then} (its data and captured states); set target.dtype={then} to "
+            f"continue it as it began, or start a new run from the checkpoint with "
+            f"drafter.init_from={ckpt}"
+        )
 
 
 class ResumeCommand:

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ..common.comm import RankContext
-from ..common.layout import read_run_config, run_dir_of
+from ..common.layout import TARGET_DTYPE, read_run_config, run_dir_of
 from ..config import TARGET_RESUMABLE, RunConfig
 from ..data.batch import TargetBatch, collate, target_forward
 from ..data.dataset import cache_name, dataset_path, load_or_build_dataset
@@ -21,7 +21,7 @@ from ..drafter.model import DFlashDrafter
 from ..drafter.spec import resolve_spec
 from ..drafter.variants import build_model
 from ..target.capture import Target
-from ..target.load import load_target
+from ..target.load import concrete_settings, load_target
 from ..target.shape import TargetShape
 
 
@@ -192,9 +192,10 @@ def own_data_file(cfg: RunConfig, run_dir: str) -> tuple[str, ...]:
 
 def data_record(cfg: RunConfig, run_dir: str, samples: list, own: tuple[str, ...]) -> dict:
     """What run_config.json records of the run's data beside its config: the data mix's shares
-    (data.mix) and the cache file read (own: `own_data_file`)."""
+    (data.mix), the cache file read (own: `own_data_file`) and the target's dtype as resolved."""
     used = dataset_path(cfg.data, cfg.target, data_cache(cfg, run_dir), also=own)
-    return {**data_figures(samples, cfg), DATA_FILE: os.path.basename(used)}
+    dtype = concrete_settings(cfg.target)["dtype"]  # what target.dtype=auto ran as (resume checks)
+    return {**data_figures(samples, cfg), DATA_FILE: os.path.basename(used), TARGET_DTYPE: dtype}
 
 
 def dataset_for_rank(
