@@ -48,13 +48,24 @@ def variant_flags(name: str) -> dict:
 
 
 def by_prompt(samples) -> dict:
-    """Each sample's tokens under a digest of its prompt: under a time cap, variants reach other
-    prompts (sample ids count the samples kept, so they name other prompts)."""
+    """Each sample's (tokens, response start) under a digest of its prompt: under a time cap,
+    variants reach other prompts (sample ids count the samples kept, so they name other prompts)."""
     out = {}
     for s in samples:
         n = int(s.loss_mask.int().argmax()) if bool(s.loss_mask.any()) else len(s.input_ids)
-        out[hashlib.sha1(s.input_ids[:n].numpy().tobytes()).digest()] = s.input_ids
+        out[hashlib.sha1(s.input_ids[:n].numpy().tobytes()).digest()] = (s.input_ids, n)
     return out
+
+
+def parts_at(a: tuple, b: tuple) -> int | None:
+    """The response token where two samples of one prompt first differ (None: the same text);
+    a text that is the other's prefix parts where it ends."""
+    (x, n), (y, _) = a, b
+    if torch.equal(x, y):
+        return None
+    k = min(len(x), len(y))
+    diff = (x[:k] != y[:k]).nonzero()
+    return (int(diff[0]) if len(diff) else k) - n
 
 
 def main() -> None:
@@ -118,8 +129,11 @@ def main() -> None:
     base = args.variants[0]
     for name in args.variants[1:]:
         common = got[name].keys() & got[base].keys()
-        same = sum(torch.equal(got[name][i], got[base][i]) for i in common)
-        res[f"identical_samples_{name}_vs_{base}"] = f"{same}/{len(common)}"
+        at = sorted(p for i in common if (p := parts_at(got[name][i], got[base][i])) is not None)
+        res[f"identical_samples_{name}_vs_{base}"] = f"{len(common) - len(at)}/{len(common)}"
+        if at:  # late and spread: near-ties; early and many: a decoder that computes otherwise
+            q = [at[int(f * (len(at) - 1))] for f in (0.25, 0.5, 0.75)]
+            res[f"{name}_parts_at_response_token_quartiles"] = q
         if f"{base}_tokens_per_s" in res and f"{name}_tokens_per_s" in res:
             res[f"{name}_speedup"] = round(
                 res[f"{name}_tokens_per_s"] / res[f"{base}_tokens_per_s"], 3

@@ -162,7 +162,7 @@ def test_bench_regen_run_matches_samples_by_prompt_not_by_id():
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_regen_run import by_prompt
+    from bench_regen_run import by_prompt, parts_at
 
     from dflash.data.batch import Sample
 
@@ -174,7 +174,12 @@ def test_bench_regen_run_matches_samples_by_prompt_not_by_id():
     a = by_prompt([sample(0, [5, 6], [7, 8]), sample(1, [9], [1])])
     b = by_prompt([sample(0, [9], [1]), sample(1, [3, 4], [2])])  # prompt [5, 6] not reached
     (common,) = set(a) & set(b)
-    assert torch.equal(a[common], b[common]) and a[common].tolist() == [9, 1]
+    assert parts_at(a[common], b[common]) is None and a[common][0].tolist() == [9, 1]
+    # where two texts of one prompt part, counted from the response's first token
+    c, d = by_prompt([sample(0, [5, 6], [7, 8, 9])]), by_prompt([sample(0, [5, 6], [7, 3, 9])])
+    (k,) = c
+    assert parts_at(c[k], d[k]) == 1
+    assert parts_at(c[k], by_prompt([sample(0, [5, 6], [7])])[k]) == 1  # a prefix parts at its end
 
 
 def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
