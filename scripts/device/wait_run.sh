@@ -8,7 +8,8 @@ if [ ! -f /tmp/res/started ]; then  # a fresh machine: the previous one (and its
   exit 3
 fi
 while [ ! -f /tmp/res/done ] && [ $t -lt $W ]; do sleep 10; t=$((t+10)); done
-cp /tmp/runs/main/metrics.* /tmp/runs/main/train.log /tmp/res/ 2>/dev/null
+# run_config.json too: the fetched res/ is then a run folder for python -m dflash.tools.compare
+cp /tmp/runs/main/metrics.* /tmp/runs/main/train.log /tmp/runs/main/run_config.json /tmp/res/ 2>/dev/null
 tar czf $OUT/all.tgz -C /tmp res 2>/dev/null
 cat /tmp/res/status 2>/dev/null
 grep -E "tau|tokens_per_s|time budget" /tmp/res/train.out | tail -6
