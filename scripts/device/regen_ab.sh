@@ -7,7 +7,7 @@ cd /tmp/repo && source scripts/device/env.sh
 convert_target
 # shellcheck disable=SC2086  # EXTRA, VARIANTS: split into words
 python3 benchmarks/bench_regen_run.py +exp=$EXP $EXTRA --minutes "${MIN:-2}" \
-  --variants ${VARIANTS:-plain fuse fuse+compact fuse+b1024} --workdir /tmp/regen_ab \
+  --variants ${VARIANTS:-fuse fuse+compact fuse+b1024} --workdir /tmp/regen_ab \
   --out /tmp/res/regen_run.json > /tmp/res/regen_run.out 2>&1
 echo "regen_run rc=$? $(date +%s)" >> /tmp/res/status
 touch /tmp/res/done
