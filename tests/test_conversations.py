@@ -285,6 +285,38 @@ def test_all_turns_are_the_targets_own_answers_after_its_own_earlier_ones(tmp_pa
         replace(dc, max_turns=0).validate()
 
 
+def test_fused_regeneration_answers_every_turn_as_the_plain_decoder(
+    tmp_path, tiny_llama, monkeypatch
+):
+    """data.regen_fuse on conversations (the chat recipe's rounds: each later turn's prompt holds
+    the target's earlier answers): the same samples as the independent turn-by-turn loop, the
+    fused functions (torch.compile's eager backend here) running in every round."""
+    import dflash.data.dataset as dataset
+    import dflash.target.fused as fused
+
+    monkeypatch.setattr(dataset, "_static_path", lambda target, temperature: True)  # CUDA's path
+    monkeypatch.setattr(fused, "FUSE_BACKEND", "eager")
+    monkeypatch.setattr(fused, "_CHECKED", {})
+    calls = []
+    real = fused._rms_norm
+    monkeypatch.setattr(fused, "_rms_norm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    f = _jsonl(tmp_path / "c.jsonl", CONVS)
+    dc = _cfg([f], num_samples=10, response_len=5, max_length=400, regen_batch_size=2)
+    logs = []
+    samples = load_or_build_dataset(
+        replace(dc, regen_fuse=True),
+        target_cfg("tiny_llama"),
+        tiny_llama,
+        str(tmp_path / "cache"),
+        log=logs.append,
+    )
+    ref = _reference_samples(tiny_llama, CONVS, 5)
+    assert [s.input_ids.tolist() for s in samples] == [r[0] for r in ref]
+    assert [s.loss_mask.tolist() for s in samples] == [r[1] for r in ref]
+    assert any("6 user turns answered in order" in m for m in logs) and calls
+    assert not any("warning: data.regen_fuse" in m for m in logs)
+
+
 GIVEN = [
     {  # both user turns answered by the row: its answers are the samples' answers
         "id": "a",
