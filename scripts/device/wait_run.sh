@@ -17,6 +17,7 @@ echo "recompile lines: $(grep -c Recompiling /tmp/res/train.out 2>/dev/null)"
 [ -f /tmp/res/done ] && [ -f /tmp/res/eval.out ] && tail -28 /tmp/res/eval.out
 [ -f /tmp/res/done ] && [ -f /tmp/res/eval32.out ] && tail -12 /tmp/res/eval32.out
 [ -f /tmp/res/regen_run.out ] && tail -40 /tmp/res/regen_run.out  # CHAIN=regen_ab.sh
+[ -f /tmp/res/regen_run2.out ] && tail -20 /tmp/res/regen_run2.out  # with EXP2
 [ -f /tmp/res/done ] && [ -f /tmp/res/metrics.jsonl ] && python3 - <<'PY'  # in-loop vs eval.py (each set), chat eval, bench
 import json, os
 rows = [json.loads(x) for x in open("/tmp/res/metrics.jsonl") if x.strip()]
