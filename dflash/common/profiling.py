@@ -6,7 +6,10 @@ The device's busy time is the union of its kernels' intervals (two streams runni
 once). The profiler slows the host (it records every op), so the share of the wall the GPU
 computed is taken against the wall time of the same number of steps just before the profile,
 timed without it (when profile_at leaves room for them). Profile away from eval and save steps:
-their time lands in the windows too."""
+their time lands in the windows too.
+
+StepClock: the loop's own step timing at every log step (target and drafter parts, tokens/s),
+without the profiler."""
 
 from __future__ import annotations
 
@@ -139,3 +142,41 @@ class StepProfiler:
                 + ("GPU-bound" if frac >= 0.9 else "the GPU waits on the host part of the time")
             )
         return msg + f" ({path}, trace next to it)"
+
+
+class StepClock:
+    """Where the steps' time goes, read at log steps only (reading waits for the GPU).
+
+    A step queues its kernels without waiting for them, so host wall times per step measure
+    launches: on CUDA the target and drafter times are the GPU time between events recorded
+    around each part of the logged step; on CPU they are wall times. Throughput counts the
+    interval since the last log step: its steps' host time plus the wait for the GPU to catch
+    up at the read (eval and checkpoint time left out)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.marks: list = []
+        self.busy_s = 0.0  # host time of the steps since the last log step, and the final wait
+
+    def mark(self) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self.marks.append(ev)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def parts(self) -> tuple[float, float]:
+        """(target, drafter) seconds of the step just marked (start, batches, step)."""
+        m0, m1, m2 = self.marks[-3:]
+        if self.cuda:
+            m2.synchronize()
+            return m0.elapsed_time(m1) / 1e3, m1.elapsed_time(m2) / 1e3
+        return m1 - m0, m2 - m1
+
+    def read(self, figures, metrics: dict) -> None:
+        """The step's figures and its parts' times into metrics: the interval's one host sync."""
+        t_read = time.perf_counter()
+        metrics.update(figures.read())
+        metrics["perf/target_s"], metrics["perf/drafter_s"] = self.parts()
+        self.busy_s += time.perf_counter() - t_read

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from typing import Protocol
@@ -12,7 +13,7 @@ from tqdm.auto import tqdm
 
 from ..common.interrupt import Interrupted, StopRequest, agree_max
 from ..common.loggers import Logger, eval_key, progress_bars_off
-from ..common.profiling import StepProfiler
+from ..common.profiling import StepClock, StepProfiler
 from ..config import RunConfig
 from ..data.batch import TargetBatch, agreement_warning
 from ..data.stream import SampleStream
@@ -54,26 +55,13 @@ def train_loop(
     writer: bool = True,
 ) -> dict:
     """Only the writer rank saves. stop_at: end after that step as if interrupted."""
-    tc = cfg.train
-    last: dict = {}
-    first_eval = None
-    budget = trainer.budget
+    tc, budget = cfg.train, trainer.budget
     fresh = budget is not None and budget.train_t0 is None
     best = BestCheckpoint(run_dir, tc.keep_best, trainer.step, writer) if tc.keep_best else None
     if best is not None and evaluator is not None:  # a resume too: before any training
         if (removed := best.start(evaluator.prefixes())) is not None:
             logger.info(removed)
-    if cfg.eval.enabled and trainer.step == 0:
-        drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
-    if evaluator is not None and trainer.step == 0:
-        clock = _clock(budget)
-        with _timed(budget, "eval"):
-            first_eval = evaluator.run(drafter, trainer.heads)
-        logger.log({**first_eval, **clock}, step=0)
-        _log_reports(logger, evaluator, 0)
-        if best is not None:  # an unknown figure stops the run here, before any training
-            best.check(first_eval)
-        phase_done("step-0 eval")
+    first_eval = _step_zero_eval(cfg, trainer, evaluator, logger, best)
     if fresh:
         logger.info(report_start(budget))
     bar = tqdm(
@@ -84,64 +72,97 @@ def train_loop(
         dynamic_ncols=True,
         disable=progress_bars_off() or not writer,
     )
-    stop = StopRequest()
-    interrupted = None
-    clock = StepClock(trainer.device)
-    health = Health(trainer.device, tc.lr)
+    loop = _Loop(cfg, trainer, source, evaluator, logger, run_dir, writer, best, bar)
     rank_dir = f"rank{torch.distributed.get_rank()}" if trainer.dp_world > 1 else ""
     prof_dir = os.path.join(run_dir, "profile", rank_dir)
     prof = StepProfiler(tc.profile_at, tc.profile_steps, trainer.device, prof_dir, logger)
-    with stop:
+    interrupted = None
+    with loop.stop:
         while trainer.step < tc.steps:
             prof.before(trainer.step)
-            interrupted, final = _step(
-                cfg,
-                trainer,
-                source,
-                evaluator,
-                logger,
-                run_dir,
-                writer,
-                bar,
-                last,
-                stop,
-                clock,
-                health,
-                best,
-            )
-            stopping = stop_at is not None and trainer.step >= stop_at
-            prof.after(trainer.step, last=final or interrupted is not None or stopping)
-            if clock.first:
-                clock.first = False
-                logger.info(
-                    f"first step: {last['perf/target_s'] + last['perf/drafter_s']:.1f} s "
-                    f"(target {last['perf/target_s']:.1f} s, drafter {last['perf/drafter_s']:.1f} s)"
-                    f"; {last['train/greedy_agreement']:.2%} of its response tokens are the "
-                    "target's greedy tokens"
-                )
-                warning = agreement_warning(
-                    last["train/greedy_agreement"],
-                    cfg.data.answers == "given",
-                    cfg.target.enable_thinking,
-                )
-                if warning is not None:
-                    logger.info(warning)
-                if fresh:
-                    logger.info(budget.window_line(tc.warmup_ratio))
-            if final or interrupted is not None:
-                break
-            if stop_at is not None and trainer.step >= stop_at:
+            interrupted, final = _step(loop)
+            ending = final or interrupted is not None
+            ending = ending or (stop_at is not None and trainer.step >= stop_at)
+            prof.after(trainer.step, last=ending)
+            if loop.first:
+                loop.first = False
+                _report_first_step(loop, fresh)
+            if ending:
                 break
     bar.close()
+    return _finish(loop, interrupted, first_eval)
+
+
+@dataclasses.dataclass
+class _Loop:
+    """What the steps of one train_loop share."""
+
+    cfg: RunConfig
+    trainer: DrafterTrainer
+    source: BatchSource
+    evaluator: object
+    logger: Logger
+    run_dir: str
+    writer: bool
+    best: BestCheckpoint | None
+    bar: object
+    last: dict = dataclasses.field(default_factory=dict)  # the latest figures of every kind
+    stop: StopRequest = dataclasses.field(default_factory=StopRequest)
+    first: bool = True  # this process's first step: kernels compile there (flex, compile)
+    epochs: EpochForecast = dataclasses.field(default_factory=EpochForecast)  # said once
+
+    def __post_init__(self):
+        self.clock = StepClock(self.trainer.device)
+        self.health = Health(self.trainer.device, self.cfg.train.lr)
+
+
+def _step_zero_eval(cfg, trainer, evaluator, logger, best) -> dict | None:
+    """The untrained drafter's figures (a fresh run only): the curves' first point."""
+    if not (cfg.eval.enabled and trainer.step == 0):
+        return None
+    drafter = trainer.drafter_for_io()  # every rank: a collective when weights are sharded
+    if evaluator is None:
+        return None
+    clock = _clock(trainer.budget)
+    with _timed(trainer.budget, "eval"):
+        first_eval = evaluator.run(drafter, trainer.heads)
+    logger.log({**first_eval, **clock}, step=0)
+    _log_reports(logger, evaluator, 0)
+    if best is not None:  # an unknown figure stops the run here, before any training
+        best.check(first_eval)
+    phase_done("step-0 eval")
+    return first_eval
+
+
+def _report_first_step(loop: _Loop, fresh: bool) -> None:
+    """train.log's line on the first step: its time (compiles) and the labels' greedy share."""
+    last, cfg = loop.last, loop.cfg
+    loop.logger.info(
+        f"first step: {last['perf/target_s'] + last['perf/drafter_s']:.1f} s "
+        f"(target {last['perf/target_s']:.1f} s, drafter {last['perf/drafter_s']:.1f} s)"
+        f"; {last['train/greedy_agreement']:.2%} of its response tokens are the "
+        "target's greedy tokens"
+    )
+    warning = agreement_warning(
+        last["train/greedy_agreement"], cfg.data.answers == "given", cfg.target.enable_thinking
+    )
+    if warning is not None:
+        loop.logger.info(warning)
+    if fresh:
+        loop.logger.info(loop.trainer.budget.window_line(cfg.train.warmup_ratio))
+
+
+def _finish(loop: _Loop, interrupted, first_eval: dict | None) -> dict:
+    budget, last, logger, best = loop.trainer.budget, loop.last, loop.logger, loop.best
     if budget is not None:
         last["time/run_min"] = budget.elapsed() / 60.0
         logger.info(
             f"time budget: {'stopped' if interrupted is None else 'interrupted'} at step "
-            f"{trainer.step} after {budget.elapsed() / 60:.1f} of {budget.total_s / 60:g} min"
+            f"{loop.trainer.step} after {budget.elapsed() / 60:.1f} of {budget.total_s / 60:g} min"
         )
-    if writer and interrupted is None:
-        _plot(run_dir, logger)
-    if writer and best is not None and best.step is not None:
+    if loop.writer and interrupted is None:
+        _plot(loop.run_dir, logger)
+    if loop.writer and best is not None and best.step is not None:
         logger.info(f"best: {best.path} ({best.metric} {best.value:.4f} at step {best.step})")
     _summarize(logger, last, first_eval)
     if interrupted is not None:
@@ -219,138 +240,124 @@ def _plot(run_dir: str, logger: Logger) -> None:
         logger.info(f"plots: skipped ({e}; pip install 'dflash[plots]')")
 
 
-class StepClock:
-    """Where the steps' time goes, read at log steps only (reading waits for the GPU).
-
-    A step queues its kernels without waiting for them, so host wall times per step measure
-    launches: on CUDA the target and drafter times are the GPU time between events recorded
-    around each part of the logged step; on CPU they are wall times. Throughput counts the
-    interval since the last log step: its steps' host time plus the wait for the GPU to catch
-    up at the read (eval and checkpoint time left out)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.cuda = device, device.type == "cuda"
-        self.marks: list = []
-        self.busy_s = 0.0  # host time of the steps since the last log step, and the final wait
-        self.first = True  # this process's first step: kernels compile there (flex, compile)
-        self.epochs = EpochForecast()  # the budget's epochs, said once in train.log
-
-    def mark(self) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(self.device))
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def parts(self) -> tuple[float, float]:
-        """(target, drafter) seconds of the step just marked (start, batches, step)."""
-        m0, m1, m2 = self.marks[-3:]
-        if self.cuda:
-            m2.synchronize()
-            return m0.elapsed_time(m1) / 1e3, m1.elapsed_time(m2) / 1e3
-        return m1 - m0, m2 - m1
-
-
-def _step(
-    cfg, trainer, source, evaluator, logger, run_dir, writer, bar, last, stop, clock, health, best
-):
+def _step(loop: _Loop):
     """One step: train; maybe log, eval (and keep the best), save. Returns (Interrupted when
     Ctrl-C asked to stop, whether this was the last step: train.steps reached or the time budget
     spent)."""
-    tc = cfg.train
-    budget = trainer.budget
-    b0 = budget.now() if budget is not None else None
-    t0 = time.perf_counter()
-    clock.marks = []
-    clock.mark()
-    batches = source.next_batches()
-    clock.mark()
-    figures = trainer.step_async(batches)
-    health.track(figures, trainer.step)
-    clock.mark()
-    clock.busy_s += time.perf_counter() - t0
+    tc, trainer, budget = loop.cfg.train, loop.trainer, loop.trainer.budget
+    figures = _train(loop)
     step = trainer.step
-    metrics = {"data/epoch": source.stream.epoch}
-    final = step == tc.steps
-    if budget is not None and clock.first:  # it compiled: not warmup, nor a step's length
-        budget.first_step_done(budget.now() - b0)
-    elif budget is not None:
-        budget.note("step", budget.now() - b0)
     progress, interrupted = agree_max(  # one progress for every rank's learning rate
-        [budget.progress() if budget is not None else 0.0, float(stop.requested)],
+        [budget.progress() if budget is not None else 0.0, float(loop.stop.requested)],
         (trainer.ctrl_group or trainer.dp_group) if trainer.dp_world > 1 else None,
         trainer.device,
     )
     out_of_time, interrupted = progress >= 1.0, interrupted > 0
-    final = final or out_of_time
+    final = step == tc.steps or out_of_time
+    metrics = {"data/epoch": loop.source.stream.epoch}
     if budget is not None:
         trainer.follow_budget(progress)
         metrics["time/run_min"] = budget.elapsed() / 60.0
         metrics["time/budget_progress"] = progress
-        epochs = clock.epochs.update(progress, source.stream.epoch, source.stream.num_samples)
-        if epochs is not None and writer:
-            logger.info(epochs)
-    bar.update(1)
+        stream = loop.source.stream
+        epochs = loop.epochs.update(progress, stream.epoch, stream.num_samples)
+        if epochs is not None and loop.writer:
+            loop.logger.info(epochs)
+    loop.bar.update(1)
     log = step % tc.log_every == 0 or final
-    if log or clock.first:  # the first step is read for its timing line (kernels compile there)
-        t_read = time.perf_counter()
-        metrics.update(figures.read())  # the step's figures: the only host sync of the interval
-        metrics["perf/target_s"], metrics["perf/drafter_s"] = clock.parts()
-        clock.busy_s += time.perf_counter() - t_read
+    if log or loop.first:  # the first step is read for its timing line (kernels compile there)
+        loop.clock.read(figures, metrics)
     if log:
-        interval = trainer.interval_counts()
-        metrics["perf/tokens_per_s"] = interval["tokens"] / max(clock.busy_s, 1e-9)
-        clock.busy_s = 0.0
-        metrics.update(source.step_metrics(metrics["perf/target_s"], metrics["perf/drafter_s"]))
-        metrics.update(source.interval_metrics())
-        metrics.update(_compiled())
-        logger.log(metrics, step)
-        post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
-        if budget is not None:
-            post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
-        bar.set_postfix(post)
-    last.update(metrics)
+        _log_step(loop, metrics, step)
+    loop.last.update(metrics)
     periodic = step % tc.save_every == 0 or final
-    evaluate = cfg.eval.enabled and (step % tc.eval_every == 0 or final)
+    evaluate = loop.cfg.eval.enabled and (step % tc.eval_every == 0 or final)
     save = periodic or (interrupted and tc.save_on_interrupt)
     if log or evaluate or save:  # NaN / inf stops the run here: never evaluated, never saved
-        if (warning := health.check(step)) is not None:
-            logger.info(warning)
+        if (warning := loop.health.check(step)) is not None:
+            loop.logger.info(warning)
     drafter = trainer.drafter_for_io() if evaluate or save else None  # every rank (collective)
-    if evaluator is not None and evaluate:
-        at = _clock(budget)
-        with _timed(budget, "eval"):
-            ev = evaluator.run(drafter, trainer.heads)
-        logger.log({**ev, **at}, step)
-        _log_reports(logger, evaluator, step)
-        last.update(ev, eval_step=step)  # the summary says which step its figures are from
-    shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
-    if save and (writer or shards is not None):
+    ev = _evaluate(loop, drafter, step) if evaluate else None
+    if save:
         ended = "steps" if step == tc.steps else "budget" if out_of_time else None
+        _save(loop, drafter, step, ended)
+    if loop.best is not None and ev is not None:  # after the save: never costs it
         with _timed(budget, "save"):
-            saved = save_checkpoint(
-                run_dir,
-                step,
-                drafter,
-                trainer.state_dict(),
-                tc.keep_last,
-                extra={"source": source.state_dict()},
-                shards=shards,
-                writer=writer,
-                run_info={"ended": ended, "time_budget_min": tc.time_budget_min} if ended else None,
-            )
-        if writer:
-            last["checkpoint"] = saved
-            logger.log_checkpoint(saved, step)
-    if best is not None and evaluator is not None and evaluate:  # after the save: never costs it
-        with _timed(budget, "save"):
-            if best.offer(step, ev, drafter) and writer:
-                logger.info(f"best {best.metric} so far: {best.value:.4f}; kept")
+            if loop.best.offer(step, ev, drafter) and loop.writer:
+                loop.logger.info(f"best {loop.best.metric} so far: {loop.best.value:.4f}; kept")
     if interrupted:
-        saved = last.get("checkpoint") if periodic or tc.save_on_interrupt else None
+        saved = loop.last.get("checkpoint") if periodic or tc.save_on_interrupt else None
         return Interrupted(step, saved), final
     return None, final
+
+
+def _train(loop: _Loop):
+    """The step itself, its kernels queued (no host sync): its figures, still on the device."""
+    trainer, budget, clock = loop.trainer, loop.trainer.budget, loop.clock
+    b0 = budget.now() if budget is not None else None
+    t0 = time.perf_counter()
+    clock.marks = []
+    clock.mark()
+    batches = loop.source.next_batches()
+    clock.mark()
+    figures = trainer.step_async(batches)
+    loop.health.track(figures, trainer.step)
+    clock.mark()
+    clock.busy_s += time.perf_counter() - t0
+    if budget is not None and loop.first:  # it compiled: not warmup, nor a step's length
+        budget.first_step_done(budget.now() - b0)
+    elif budget is not None:
+        budget.note("step", budget.now() - b0)
+    return figures
+
+
+def _log_step(loop: _Loop, metrics: dict, step: int) -> None:
+    interval = loop.trainer.interval_counts()
+    metrics["perf/tokens_per_s"] = interval["tokens"] / max(loop.clock.busy_s, 1e-9)
+    loop.clock.busy_s = 0.0
+    source = loop.source
+    metrics.update(source.step_metrics(metrics["perf/target_s"], metrics["perf/drafter_s"]))
+    metrics.update(source.interval_metrics())
+    metrics.update(_compiled())
+    loop.logger.log(metrics, step)
+    post = {"loss": f"{metrics['train/loss']:.3f}", "acc": f"{metrics['train/acc']:.3f}"}
+    if (budget := loop.trainer.budget) is not None:
+        post["left"] = f"{max(budget.left(), 0) / 60:.1f}m"
+    loop.bar.set_postfix(post)
+
+
+def _evaluate(loop: _Loop, drafter, step: int) -> dict | None:
+    if loop.evaluator is None:  # a rank that does not evaluate (it took part in drafter_for_io)
+        return None
+    at = _clock(loop.trainer.budget)
+    with _timed(loop.trainer.budget, "eval"):
+        ev = loop.evaluator.run(drafter, loop.trainer.heads)
+    loop.logger.log({**ev, **at}, step)
+    _log_reports(loop.logger, loop.evaluator, step)
+    loop.last.update(ev, eval_step=step)  # the summary says which step its figures are from
+    return ev
+
+
+def _save(loop: _Loop, drafter, step: int, ended: str | None) -> None:
+    trainer, tc = loop.trainer, loop.cfg.train
+    shards = trainer.par if trainer.par.shards_optimizer else None  # every rank saves its part
+    if not (loop.writer or shards is not None):
+        return
+    with _timed(trainer.budget, "save"):
+        saved = save_checkpoint(
+            loop.run_dir,
+            step,
+            drafter,
+            trainer.state_dict(),
+            tc.keep_last,
+            extra={"source": loop.source.state_dict()},
+            shards=shards,
+            writer=loop.writer,
+            run_info={"ended": ended, "time_budget_min": tc.time_budget_min} if ended else None,
+        )
+    if loop.writer:
+        loop.last["checkpoint"] = saved
+        loop.logger.log_checkpoint(saved, step)
 
 
 def _log_reports(logger: Logger, evaluator, step: int) -> None:
