@@ -73,51 +73,10 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     if os.path.normpath(os.path.expanduser(rc.ckpt)) != ck:
         print(f"checkpoint: {ck}")
     rc = dataclasses.replace(rc, ckpt=ck)
-    drafter, report = load_drafter(rc.ckpt, strict=False)
-    spec = drafter.spec
-    fc_in = report["fc_input"]
-    extra = ", ".join(f"{k}={v}" for k, v in spec.variant_config.items())
-    print(f"Drafter: {variant(spec.variant).architecture}" + (f" ({extra})" if extra else ""))
-    print(
-        f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
-        f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)"
-    )
-    print(
-        f"Loaded {report['loaded']} tensors; skipped (not drafter weights): {report['skipped'] or 'none'}; "
-        f"missing: {report['missing'] or 'none'}"
-    )
-    if report["missing"]:
-        raise ValueError(
-            f"{rc.ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete"
-        )
+    drafter = _load_and_describe(rc.ckpt)
     prev = run_config_of(rc.ckpt)
-    user_set = {o.split("=")[0].lstrip("+") for o in overrides}
-    if prev is not None:
-        # the run's own target, data conventions (chat template, prompt source) and eval set,
-        # unless the command line names them: the drafter is judged on prompts formatted as
-        # it saw them in training
-        restored = []
-        for group, cls in (("target", TargetConfig), ("data", DataConfig), ("eval", EvalConfig)):
-            if group in prev and group not in user_set:  # `eval=default` takes the whole group
-                rc, label = _restore_group(rc, group, cls, prev[group], user_set)
-                restored.append(label)
-        if restored:
-            print(
-                f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
-                + (
-                    f"eval sets {', '.join(s.name for s in rc.eval.sets)})"
-                    if rc.eval.sets
-                    else f"eval source {rc.eval.source or rc.data.source}, "
-                    f"{rc.eval.num_prompts} prompts)"
-                )
-            )
-    if prev is None:
-        print(
-            "no run config next to the checkpoint (a published drafter): its training prompts "
-            f"are unknown, so the eval prompts are the first eval.num_prompts={rc.eval.num_prompts} "
-            "rows of eval.paths (or data.paths)"
-        )
-    target = _target_for(rc, spec)
+    rc = _with_the_runs_settings(rc, prev, overrides)
+    target = _target_for(rc, drafter.spec)
     where = dict(exclude_training=prev is not None, read_dirs=_run_caches(rc.ckpt, prev))
     cache = os.path.join(out_dir, "data")
     if rc.eval.sets:
@@ -140,6 +99,7 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
     else:
         reports, summary = results[""]
     if rc.out:
+        spec = drafter.spec
         meta = {
             "ckpt": os.path.abspath(rc.ckpt),
             "target": rc.target.name,
@@ -151,6 +111,58 @@ def run_eval(rc: RunConfig, out_dir: str, overrides: list[str]) -> dict:
         write_json(rc.out, reports, summary, meta, results if rc.eval.sets else None)
         print(f"wrote {rc.out}")
     return summary
+
+
+def _load_and_describe(ckpt: str):
+    """The checkpoint's drafter, and what it is (variant, fc input, tensors) said first."""
+    drafter, report = load_drafter(ckpt, strict=False)
+    spec = drafter.spec
+    fc_in = report["fc_input"]
+    extra = ", ".join(f"{k}={v}" for k, v in spec.variant_config.items())
+    print(f"Drafter: {variant(spec.variant).architecture}" + (f" ({extra})" if extra else ""))
+    print(
+        f"Detected fc input: {fc_in} = {spec.num_aux} target layers x {spec.hidden_size} "
+        f"(target_layer_ids {spec.target_layer_ids}, from the checkpoint)"
+    )
+    print(
+        f"Loaded {report['loaded']} tensors; skipped (not drafter weights): {report['skipped'] or 'none'}; "
+        f"missing: {report['missing'] or 'none'}"
+    )
+    if report["missing"]:
+        raise ValueError(
+            f"{ckpt}: missing drafter weights {report['missing'][:5]}; the checkpoint is incomplete"
+        )
+    return drafter
+
+
+def _with_the_runs_settings(rc: RunConfig, prev: dict | None, overrides: list[str]) -> RunConfig:
+    """The run's own target, data conventions (chat template, prompt source) and eval set,
+    unless the command line names them: the drafter is judged on prompts formatted as it saw
+    them in training."""
+    if prev is None:
+        print(
+            "no run config next to the checkpoint (a published drafter): its training prompts "
+            f"are unknown, so the eval prompts are the first eval.num_prompts={rc.eval.num_prompts} "
+            "rows of eval.paths (or data.paths)"
+        )
+        return rc
+    user_set = {o.split("=")[0].lstrip("+") for o in overrides}
+    restored = []
+    for group, cls in (("target", TargetConfig), ("data", DataConfig), ("eval", EvalConfig)):
+        if group in prev and group not in user_set:  # `eval=default` takes the whole group
+            rc, label = _restore_group(rc, group, cls, prev[group], user_set)
+            restored.append(label)
+    if restored:
+        print(
+            f"from the checkpoint's run config: {', '.join(restored)} (target {rc.target.name}, "
+            + (
+                f"eval sets {', '.join(s.name for s in rc.eval.sets)})"
+                if rc.eval.sets
+                else f"eval source {rc.eval.source or rc.data.source}, "
+                f"{rc.eval.num_prompts} prompts)"
+            )
+        )
+    return rc
 
 
 def _evaluate_set(
