@@ -12,7 +12,9 @@ is that run's data config with data.regen_time_limit_min=--minutes and the named
 (`fuse`: data.regen_fuse, `compact`: data.regen_compact, `compile`: data.regen_compile, `bN`:
 data.regen_batch_size=N; joined by `+`). The first variant is the baseline of the ratios. The
 options act on the CUDA static decoder only: on CPU every variant is HF generate (the script
-still runs end to end). bench_regen.py times the same options on random prompts.
+still runs end to end). A conversation recipe (+exp=qwen05_chat) regenerates in rounds, turn
+by turn: its tokens and seconds are summed over them. bench_regen.py times the same options on
+random prompts.
 """
 
 from __future__ import annotations
@@ -45,6 +47,23 @@ def variant_flags(name: str) -> dict:
         )
     flags = {flag: opt in parts for opt, flag in OPTIONS.items()}
     return flags | ({"regen_batch_size": int(sizes[0][1:])} if sizes else {})
+
+
+def regen_figures(lines: list[str]) -> dict:
+    """Tokens, seconds and prompts reached from the regeneration's log lines, summed over its
+    rounds (a conversation recipe answers turn 2, 3, ... in rounds of their own); prompts
+    reached: the first round's (every conversation's first turn), "all" when no cap cut it."""
+    found = [re.search(r"(\d+) new tokens in ([\d.]+) s", x) for x in lines]
+    found = [m for m in found if m]
+    out: dict = {}
+    if found:
+        tokens, secs = sum(int(m.group(1)) for m in found), sum(float(m.group(2)) for m in found)
+        out |= {"new_tokens": tokens, "regen_s": round(secs, 1), "rounds": len(found)}
+        out["tokens_per_s"] = round(tokens / max(secs, 1e-9), 1)
+    first = r"^regenerate: time limit .* after (\d+) of (\d+) prompts"  # turn 1's round
+    cut = next((m for x in lines if (m := re.search(first, x))), None)
+    out["prompts_reached"] = int(cut.group(1)) if cut else "all"
+    return out
 
 
 def by_prompt(samples) -> dict:
@@ -116,14 +135,7 @@ def main() -> None:
         samples = regenerate_dataset(dcfg, cfg.target, target, path, log)
         res[f"{name}_wall_s"] = round(time.perf_counter() - t, 1)
         res[f"{name}_batch"] = dcfg.regen_batch_size
-        text = "\n".join(lines)
-        m = re.search(r"(\d+) new tokens in ([\d.]+) s", text)
-        if m:
-            res[f"{name}_new_tokens"] = int(m.group(1))
-            res[f"{name}_regen_s"] = float(m.group(2))
-            res[f"{name}_tokens_per_s"] = round(int(m.group(1)) / float(m.group(2)), 1)
-        m = re.search(r"after (\d+) of (\d+) prompts", text)
-        res[f"{name}_prompts_reached"] = int(m.group(1)) if m else "all"
+        res.update({f"{name}_{k}": v for k, v in regen_figures(lines).items()})
         res[f"{name}_samples"] = len(samples)
         got[name] = by_prompt(samples)
     base = args.variants[0]

@@ -182,6 +182,32 @@ def test_bench_regen_run_matches_samples_by_prompt_not_by_id():
     assert parts_at(c[k], by_prompt([sample(0, [5, 6], [7])])[k]) == 1  # a prefix parts at its end
 
 
+def test_bench_regen_run_sums_the_rounds_of_a_conversation_recipe():
+    """A multi-turn regeneration logs one line per round: tokens and seconds are their sums,
+    prompts reached are the first round's (its cap), and a run no cap cut reached "all"."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_regen_run import regen_figures
+
+    lines = [
+        "regenerate: time limit of 1.00 min reached after 96 of 128 prompts (data.regen_time_limit_min)",
+        "regenerate: 4000 new tokens in 8.0 s (500 tokens/s, batch 32, HF generate)",
+        "regenerate turn 2: 1000 new tokens in 4.0 s (250 tokens/s, batch 32, HF generate)",
+        "data: 6 user turns answered in order",
+    ]
+    got = regen_figures(lines)
+    assert got == {
+        "new_tokens": 5000,
+        "regen_s": 12.0,
+        "rounds": 2,
+        "tokens_per_s": 416.7,
+        "prompts_reached": 96,
+    }
+    assert regen_figures(lines[1:2])["prompts_reached"] == "all"
+    late = "regenerate turn 2: time limit of 0.10 min reached after 7 of 9 prompts (...)"
+    assert regen_figures([late, *lines[1:3]])["prompts_reached"] == "all"  # turn 1 was whole
+    assert regen_figures([]) == {"prompts_reached": "all"}
+
+
 def test_check_given_answers_scores_regenerated_and_foreign_answers(tmp_path):
     rows = tmp_path / "rows.jsonl"
     conv = [
